@@ -1,0 +1,1 @@
+"""Attention: KV layouts, attention groups, per-layer KV handles and backends."""

@@ -1,0 +1,83 @@
+"""Per-layer KV handles over the shared paged pool, and the shared K/V writer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attention.dtypes import is_fp8
+from attention.groups import GroupSpec
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's pages in the pool, bound by the engine after allocation.
+
+    ``physical`` is stored in the pool's resolved layout: NHD ``[blocks, 2, bs, H, D]`` or HND
+    ``[blocks, 2, H, bs, D]``; ``logical`` is always ``[blocks, 2, bs, H, D]`` (a view).
+    The layout and dtype come from the pool and the layer's group, never from a model config.
+    """
+
+    name: str
+    group: GroupSpec
+    layout: str
+    physical: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def logical(self) -> torch.Tensor:
+        return self.physical if self.layout == "NHD" else self.physical.transpose(2, 3)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.physical.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.group.block_size
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cast to the cache dtype; FP8 divides by the layer scale and clamps to the format's max."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-fmax, fmax).to(dtype)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Convert cache contents to ``dtype`` for arithmetic (FP8 multiplies by its scale)."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    out = x.to(dtype)
+    return out if scale == 1.0 else out.mul_(scale)
+
+
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``k``/``v`` ``[N, H, D]`` to the slots in ``slot_mapping`` (``[N]``, long)."""
+    if k.shape[0] == 0:
+        return
+    bs = kv.block_size
+    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
+    offsets = slot_mapping - blocks * bs
+    cache = kv.logical
+    cache[:, 0][blocks, offsets] = quantize(k, kv.dtype, kv.k_scale)
+    cache[:, 1][blocks, offsets] = quantize(v, kv.dtype, kv.v_scale)
+
+
+def gather_kv(
+    kv: LayerKV, block_tables: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather pages for padded block tables ``[B, nblk]`` into ``[B, H, nblk*bs, D]`` K and V."""
+    pages = kv.physical[block_tables]  # [B, nblk, 2, ...]
+    b, nblk = block_tables.shape
+    if kv.layout == "NHD":  # [B, nblk, 2, bs, H, D]
+        pages = pages.permute(2, 0, 4, 1, 3, 5)  # [2, B, H, nblk, bs, D]
+    else:  # [B, nblk, 2, H, bs, D]
+        pages = pages.permute(2, 0, 3, 1, 4, 5)
+    shape = (b, kv.group.num_kv_heads, nblk * kv.block_size, kv.group.head_size)
+    k = dequantize(pages[0].reshape(shape), out_dtype, kv.k_scale)
+    v = dequantize(pages[1].reshape(shape), out_dtype, kv.v_scale)
+    return k, v

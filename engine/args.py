@@ -1,0 +1,113 @@
+"""Turn user-facing arguments (CLI flags or ``LLM(...)`` keywords) into one ``EngineConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_dtype,
+    parse_memory,
+)
+from models.hf_folder import load_hf_config
+from models.loader import decoder_config
+from models.resolve import DEFAULT_MODEL, builtin_model_name, resolve_model_path
+
+DEFAULT_SPEC = "default"  # the built-in model's shipped draft, when it has one
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | str = "1GiB"
+    kv_cache_layout: str | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int | None = None
+    speculative_config: Any = DEFAULT_SPEC
+    attention_backend: str = "torch"
+    device: str = "cpu"
+    seed: int = 0
+    served_model_name: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"Unknown engine arguments {unknown}; valid: {sorted(known)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        path = resolve_model_path(self.model)
+        hf = load_hf_config(path)
+        dec = decoder_config(hf)
+        dtype = parse_dtype(self.dtype)
+        max_len = self.max_model_len or dec.max_position_embeddings
+        if max_len > dec.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"({dec.max_position_embeddings}); choose --max-model-len <= "
+                f"{dec.max_position_embeddings}",
+                "max_model_len",
+            )
+        model = ModelConfig(
+            model=self.model,
+            path=path,
+            hf_config=hf,
+            dtype=dtype,
+            max_model_len=max_len,
+            vocab_size=dec.vocab_size,
+            served_model_name=self.served_model_name or self.model,
+            seed=self.seed,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size,
+            cache_dtype=self.kv_cache_dtype,
+            kv_cache_memory_bytes=parse_memory(self.kv_cache_memory),
+            num_blocks_override=self.num_kv_blocks,
+            layout_request=self.kv_cache_layout,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_len,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+        return EngineConfig(
+            model=model,
+            cache=cache,
+            scheduler=scheduler,
+            speculative=self._speculative(),
+            attention_backend=self.attention_backend,
+            device=self.device,
+        )
+
+    def _speculative(self) -> SpeculativeConfig | None:
+        if isinstance(self.speculative_config, str) and self.speculative_config == DEFAULT_SPEC:
+            draft = default_draft_for(self.model)
+            if draft is None:
+                return None
+            return SpeculativeConfig(method="dflash", model=str(draft))
+        return SpeculativeConfig.parse(self.speculative_config)
+
+
+def default_draft_for(model: str) -> Path | None:
+    """The DFlash draft shipped for a built-in model, if one is present."""
+    name = builtin_model_name(model)
+    if name is None:
+        return None
+    folder = Path(__file__).resolve().parent.parent / "models" / "drafts" / f"{name}-dflash"
+    return folder if (folder / "config.json").exists() else None

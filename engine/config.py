@@ -1,0 +1,186 @@
+"""Frozen configuration, resolved once from user arguments and passed down.
+
+Values learned at runtime (number of KV blocks, the resolved layout) never go back into these
+objects: the layout lives in ``CacheConfig.layout_cell``, a write-once cell every copy shares.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attention.dtypes import MODEL_DTYPES, check_cache_dtype
+from attention.layout import LayoutCell, parse_layout
+
+
+class ConfigError(ValueError):
+    """An invalid engine argument; the message names the field and the allowed values."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # as the user named it
+    path: Path
+    hf_config: dict = field(repr=False, hash=False, compare=False)
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    served_model_name: str
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks_override: int | None = None
+    layout_request: str | None = None
+    layout_cell: LayoutCell = field(default_factory=LayoutCell, compare=False)
+
+    def __post_init__(self) -> None:
+        check_cache_dtype(self.cache_dtype)
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}", "block_size")
+        if self.layout_request is not None:
+            parse_layout(self.layout_request)
+
+    @property
+    def layout(self) -> str:
+        """The resolved KV layout; raises if the engine has not resolved it yet."""
+        return self.layout_cell.get()
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
+
+
+SPEC_METHODS = ("dflash", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    kv_cache_dtype: str | None = None
+    attention_backend: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """Accept a dict, a JSON string, ``None`` or the string ``"none"``."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if value.strip().lower() in ("", "none", "null", "off"):
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(
+                    f"--speculative-config is not valid JSON: {exc}", "speculative_config"
+                ) from exc
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object", "speculative_config")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"Unknown speculative_config keys {unknown}; valid: {sorted(known)}",
+                "speculative_config",
+            )
+        method = str(value.get("method", "")).lower()
+        if method not in SPEC_METHODS:
+            raise ConfigError(
+                f"speculative_config.method {value.get('method')!r} is not supported; "
+                f"valid: {', '.join(SPEC_METHODS)}",
+                "speculative_config.method",
+            )
+        if method == "dflash" and not value.get("model"):
+            raise ConfigError(
+                "speculative_config.model is required for method 'dflash' (a draft folder)",
+                "speculative_config.model",
+            )
+        if value.get("kv_cache_dtype") is not None:
+            check_cache_dtype(value["kv_cache_dtype"])
+        k = value.get("num_speculative_tokens")
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}",
+                "speculative_config.num_speculative_tokens",
+            )
+        return cls(**{**value, "method": method})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    speculative: SpeculativeConfig | None = None
+    attention_backend: str = "torch"
+    device: str = "cpu"
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in MODEL_DTYPES.values():
+            raise ConfigError(f"Unsupported model dtype {name}", "dtype")
+        return name
+    key = str(name).lower().removeprefix("torch.")
+    key = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(key, key)
+    if key == "auto":
+        return default_cpu_dtype()
+    if key not in MODEL_DTYPES:
+        raise ConfigError(
+            f"Unsupported dtype {name!r}; valid: auto, {', '.join(MODEL_DTYPES)}", "dtype"
+        )
+    return MODEL_DTYPES[key]
+
+
+def default_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has native bf16 matmuls (AVX512-BF16/AMX), else float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def parse_memory(value: int | str) -> int:
+    """Parse a byte count such as ``1073741824``, ``"512MiB"``, ``"2GiB"`` or ``"1.5GB"``."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    units = {"gib": 1 << 30, "gb": 10**9, "g": 1 << 30, "mib": 1 << 20, "mb": 10**6,
+             "m": 1 << 20, "kib": 1 << 10, "kb": 10**3, "k": 1 << 10, "b": 1, "": 1}
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            number = text[: len(text) - len(unit)] if unit else text
+            try:
+                return int(float(number) * units[unit])
+            except ValueError:
+                break
+    raise ConfigError(
+        f"Cannot parse memory size {value!r}; use bytes or a unit like 512MiB or 2GiB",
+        "kv_cache_memory",
+    )

@@ -1,0 +1,313 @@
+"""The engine: builds models, groups, pool, scheduler and runner once, then steps.
+
+``step()`` is schedule -> execute -> update; everything else is setup and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from attention.backends import get_backend
+from attention.dtypes import dtype_name
+from attention.groups import LayerKVSpec, build_groups
+from attention.layout import choose_layout
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_pool import KVPool, plan_pool
+from engine.outputs import CompletionOutput, RequestOutput, StepPlan, StepResult
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.spec.factory import build_proposer
+from engine.spec.stats import SpecDecodingStats
+from models.hf_folder import load_generation_config, load_tokenizer
+from models.loader import load_target
+
+log = logging.getLogger("specserve.engine")
+
+
+class RequestValidationError(ValueError):
+    """A request the engine cannot serve as given; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``."""
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.device = torch.device(config.device)
+        # positions past max_model_len are needed by draft blocks (look-ahead slots)
+        max_positions = mc.max_model_len + 128
+        self.model = load_target(mc.path, mc.hf_config, mc.dtype, max_positions, self.device)
+        cfg = self.model.config
+        self.target_layers = [f"target.{name}" for name in self.model.layer_names]
+        specs = [
+            LayerKVSpec(name, "target", cfg.num_kv_heads, cfg.head_dim, cc.cache_dtype, cc.block_size)
+            for name in self.target_layers
+        ]
+        self.proposer = build_proposer(config, self.model, self.device)
+        if self.proposer is not None:
+            specs += self.proposer.layer_specs()
+        groups = build_groups(specs, mc.dtype)
+        backends = {"target": get_backend(config.attention_backend, self.device)}
+        if "draft" in groups:
+            backend_name = config.speculative.attention_backend or config.attention_backend
+            backends["draft"] = get_backend(backend_name, self.device)
+        for name, group in groups.items():
+            backends[name].check_support(group.dtype, mc.dtype, group.head_size, name)
+        layout, reason = choose_layout(
+            cc.layout_request, {b.name: b.supported_layouts for b in backends.values()}
+        )
+        cc.layout_cell.set(layout)
+        lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
+        plan = plan_pool(
+            list(groups.values()), cc.kv_cache_memory_bytes, mc.max_model_len, lookahead,
+            cc.num_blocks_override,
+        )
+        self.pool = KVPool(list(groups.values()), plan.num_blocks, cc.layout, self.device)
+        self.blocks = BlockManager(plan.num_blocks, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, lookahead)
+        if self.proposer is not None:
+            self.proposer.bind(self.pool, backends["draft"] if "draft" in backends else None)
+        self.runner = ModelRunner(
+            self.model, self.pool.layers(self.target_layers), backends["target"], self.device,
+            Sampler(mc.seed), self.proposer,
+        )
+        self.tokenizer = load_tokenizer(mc.path) if (mc.path / "tokenizer.json").exists() or (
+            mc.path / "tokenizer_config.json").exists() else None
+        gen = load_generation_config(mc.path)
+        eos = list(gen.get("eos_token_id") or [])
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.eos_token_ids = tuple(eos)
+        self.generation_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
+        self.spec_stats = SpecDecodingStats(self.proposer.num_speculative_tokens if self.proposer else 0)
+        self.counters = EngineCounters()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._next_id = 0
+        self.startup_info = {
+            "model": str(mc.path),
+            "dtype": dtype_name(mc.dtype),
+            "kv_layout": f"{layout} ({reason})",
+            "groups": {n: dtype_name(g.dtype) for n, g in groups.items()},
+            "num_blocks": plan.num_blocks,
+            "kv_tokens": plan.num_blocks * cc.block_size,
+            "speculative": config.speculative,
+        }
+        log.info("engine ready: %s", self.startup_info)
+
+    # -- requests -------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return str(self._next_id - 1)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; returns its effective ``max_tokens``."""
+        limit = self.config.model.max_model_len
+        vocab = self.config.model.vocab_size
+        if not prompt_token_ids:
+            raise RequestValidationError("The prompt is empty; provide at least one token", "prompt")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestValidationError(
+                f"Token id {bad[0]} is out of vocabulary (valid ids: 0..{vocab - 1})", "prompt"
+            )
+        n = len(prompt_token_ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n >= limit or n + max_tokens > limit:
+            raise RequestValidationError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "prompt", "context_length_exceeded",
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestValidationError("stop strings need a tokenizer", "stop")
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> Request:
+        max_tokens = self.validate(prompt_token_ids, params)
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"The waiting queue is full ({limit} requests); retry later")
+        if params.max_tokens is None:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, prompt)
+        self.scheduler.add(req)
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens
+            )
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._finish_bookkeeping(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        appended = self.scheduler.update(plan, result)
+        self._record_stats(plan, result)
+        return self._outputs(plan, appended)
+
+    def _record_stats(self, plan: StepPlan, result: StepResult) -> None:
+        now = time.monotonic()
+        for item in plan.scheduled:
+            req = item.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            if item.spec_token_ids:
+                self.spec_stats.observe(
+                    len(item.spec_token_ids), result.num_accepted.get(item.request_id, 0)
+                )
+
+    def _outputs(self, plan: StepPlan, appended: dict[str, list[int]]) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for item in plan.scheduled:
+            req = item.request
+            new = appended.get(req.request_id)
+            if not new and not req.is_finished:
+                continue
+            if new:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                    self.counters.prompt_tokens += req.num_prompt_tokens
+                req.last_token_time = now
+                self._apply_stop_strings(req, new)
+            if req.is_finished:
+                self._finish_bookkeeping(req)
+            outputs.append(self.make_output(req, len(new or [])))
+        return outputs
+
+    def _apply_stop_strings(self, req: Request, new: list[int]) -> None:
+        detok = self._detok.get(req.request_id)
+        if detok is None:
+            return
+        base = req.num_output_tokens - len(new)
+        stops = req.params.stop
+        for j, tok in enumerate(new):
+            delta = detok.append(tok)
+            if not stops or not delta:
+                continue
+            window = max(len(s) for s in stops) + len(delta)
+            tail_start = max(0, len(detok.text) - window)
+            hit = _find_stop(detok.text, stops, tail_start)
+            if hit is None:
+                continue
+            pos, stop = hit
+            end = pos + len(stop) if req.params.include_stop_str_in_output else pos
+            detok.text = detok.text[:end]
+            keep = base + j + 1
+            del req.output_token_ids[keep:]
+            del req.output_logprobs[keep:]
+            if req.is_finished:
+                req.finish_reason, req.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(req, "stop", stop)
+            return
+
+    def _finish_bookkeeping(self, req: Request) -> None:
+        reason = req.finish_reason or "abort"
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        self.counters.generation_tokens += req.num_output_tokens
+
+    def make_output(self, req: Request, num_new: int = 0) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        text = ""
+        if detok is not None:
+            text = detok.text
+            if not req.is_finished and req.params.stop:
+                hold = max(len(s) for s in req.params.stop) - 1
+                text = text[: max(0, len(text) - hold)]
+        if req.is_finished:
+            self._detok.pop(req.request_id, None)
+        logprobs = list(req.output_logprobs) if req.params.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
+            logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.is_finished,
+            num_new_tokens=num_new,
+            metrics={
+                "arrival_time": req.arrival_time,
+                "first_scheduled_time": req.first_scheduled_time,
+                "first_token_time": req.first_token_time,
+                "last_token_time": req.last_token_time,
+                "num_preemptions": req.num_preemptions,
+            },
+        )
+
+    # -- introspection ----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks.usage
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best

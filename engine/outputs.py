@@ -1,0 +1,80 @@
+"""Plain dataclasses passed between scheduler, runner and callers (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the top-N alternatives (token id -> logprob)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[Logprob] | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_new_tokens: int = 0  # tokens appended in the step that produced this output
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens run through the target this step (spec tokens included)
+    spec_token_ids: list[int]  # draft tokens being verified (the tail of the scheduled tokens)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+        req = self.request
+        return req.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) >= req.num_tokens
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepResult:
+    """Per request: tokens to append (empty while a prefill chunk is in flight), how many
+    draft tokens were accepted, new draft proposals, and logprobs of appended tokens."""
+
+    sampled: dict[str, list[int]]
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)

@@ -1,0 +1,75 @@
+"""Per-request state held by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import Logprob
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[Logprob] = field(default_factory=list)
+    num_computed_tokens: int = 0  # positions whose target K/V is valid
+    block_table: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    # timestamps for metrics
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        all_tokens = self.prompt_token_ids + self.output_token_ids
+        return all_tokens[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1

@@ -1,0 +1,107 @@
+"""The model runner: turns a ``StepPlan`` into one target pass, sampling and proposals."""
+
+from __future__ import annotations
+
+import torch
+
+from attention.backends.base import AttentionBackend, AttentionBatch
+from attention.kv import LayerKV
+from engine.outputs import ScheduledRequest, StepPlan, StepResult
+from engine.sampler import RowGroup, Sampler
+from engine.spec.base import ProposalItem, Proposer
+from models.llama import LlamaForCausalLM
+
+
+def slots_for(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Slot of each position in ``[start, end)``: ``table[p // bs] * bs + p % bs``."""
+    pos = torch.arange(start, end)
+    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+    return blocks * block_size + pos % block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_layers: list[LayerKV],
+        backend: AttentionBackend,
+        device: torch.device,
+        sampler: Sampler,
+        proposer: Proposer | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.backend = backend
+        self.device = device
+        self.sampler = sampler
+        self.proposer = proposer
+        self.block_size = kv_layers[0].block_size
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        q_lens, kv_lens, tables = [], [], []
+        groups: list[RowGroup] = []
+        logit_rows: list[int] = []
+        row_of: dict[str, int] = {}
+        for item in plan.scheduled:
+            req = item.request
+            start, n = req.num_computed_tokens, item.num_new_tokens
+            known = n - len(item.spec_token_ids)
+            row_of[req.request_id] = len(ids)
+            ids.extend(req.tokens(start, start + known) + item.spec_token_ids)
+            positions.append(torch.arange(start, start + n))
+            slots.append(slots_for(req.block_table, start, start + n, self.block_size))
+            q_lens.append(n)
+            kv_lens.append(start + n)
+            tables.append(tuple(req.block_table))
+            if item.samples:
+                first = len(ids) - len(item.spec_token_ids) - 1
+                groups.append(RowGroup(req, len(logit_rows), list(item.spec_token_ids)))
+                logit_rows.extend(range(first, len(ids)))
+
+        batch = AttentionBatch(
+            q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), block_tables=tuple(tables),
+            slot_mapping=torch.cat(slots), causal=True, block_size=self.block_size,
+        )
+        meta = self.backend.build_metadata(batch, self.device)
+        capture = self.proposer.capture_layers if self.proposer is not None else ()
+        hidden, captured = self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.cat(positions).to(self.device),
+            meta,
+            self.kv_layers,
+            capture,
+        )
+        result = StepResult(sampled={})
+        if groups:
+            rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            for rid, res in self.sampler(logits, groups).items():
+                result.sampled[rid] = res.tokens
+                result.num_accepted[rid] = res.num_accepted
+                if res.logprobs is not None:
+                    result.logprobs[rid] = res.logprobs
+        if self.proposer is not None:
+            items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
+            result.drafts = self.proposer.propose(items, captured)
+        return result
+
+    @staticmethod
+    def _proposal_item(
+        item: ScheduledRequest, row_of: dict[str, int], result: StepResult
+    ) -> ProposalItem:
+        rid = item.request_id
+        if item.spec_token_ids:
+            valid = item.num_new_tokens - len(item.spec_token_ids) + result.num_accepted.get(rid, 0)
+        else:
+            valid = item.num_new_tokens
+        return ProposalItem(
+            item=item,
+            start=item.request.num_computed_tokens,
+            num_valid=valid,
+            row=row_of[rid],
+            sampled=result.sampled.get(rid, []),
+        )

@@ -1,0 +1,168 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+There are no phases: each running request asks for the tokens it has not computed yet (a
+prefill chunk, 1 for decode, or 1+K when verifying K draft tokens), capped by the budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.outputs import ScheduledRequest, StepPlan, StepResult
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lookahead: int = 0) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.lookahead = lookahead  # extra slots a request needs for the next draft block
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"Request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark ``req`` finished, drop it from the queues and free its blocks at once."""
+        if req.is_finished:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.spec_token_ids = []
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.block_table)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort")
+        return req
+
+    # -- scheduling -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        plan = StepPlan(scheduled=[])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            spec = self._trim_spec(req, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens + len(spec), budget)
+            if not self._reserve(req, num_new, plan):
+                break  # req itself was preempted; everything after it already was
+            plan.scheduled.append(ScheduledRequest(req, num_new, spec))
+            budget -= num_new
+            i += 1
+        while (
+            not plan.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.blocks.can_grow(req.block_table, self._slots(req, num_new)):
+                break
+            self.blocks.grow(req.block_table, self._slots(req, num_new))
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.scheduled.append(ScheduledRequest(req, num_new, []))
+            budget -= num_new
+        return plan
+
+    def _trim_spec(self, req: Request, budget: int) -> list[int]:
+        """Drafts to verify this step, never past the budget, context or ``max_tokens``."""
+        if not req.spec_token_ids or req.is_prefilling:
+            return []
+        room = min(budget - 1, self.config.max_model_len - req.num_tokens)
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[: max(0, room)]
+
+    def _slots(self, req: Request, num_new: int) -> int:
+        end = req.num_computed_tokens + num_new
+        return end + (self.lookahead if end >= req.num_tokens else 0)
+
+    def _reserve(self, req: Request, num_new: int, plan: StepPlan) -> bool:
+        """Grow ``req``'s table, preempting the newest running requests while blocks lack."""
+        slots = self._slots(req, num_new)
+        while not self.blocks.can_grow(req.block_table, slots):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        self.blocks.grow(req.block_table, slots)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.free(req.block_table)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results --------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> dict[str, list[int]]:
+        """Advance lengths, append sampled tokens and apply token-level stop conditions.
+
+        Returns the tokens appended per request (after truncation at a stop).
+        """
+        appended: dict[str, list[int]] = {}
+        for item in plan.scheduled:
+            req = item.request
+            if req.is_finished or req.status != RequestStatus.RUNNING:
+                continue
+            rid = req.request_id
+            if item.spec_token_ids:
+                accepted = result.num_accepted.get(rid, 0)
+                req.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + accepted
+            else:
+                req.num_computed_tokens += item.num_new_tokens
+            req.spec_token_ids = []
+            tokens = result.sampled.get(rid, [])
+            logprobs = result.logprobs.get(rid)
+            kept = self._append(req, tokens, logprobs)
+            appended[rid] = kept
+            if not req.is_finished and kept:
+                req.spec_token_ids = list(result.drafts.get(rid, []))
+        return appended
+
+    def _append(self, req: Request, tokens: list[int], logprobs: list | None) -> list[int]:
+        params = req.params
+        kept: list[int] = []
+        for j, tok in enumerate(tokens):
+            req.output_token_ids.append(tok)
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[j])
+            kept.append(tok)
+            if not params.ignore_eos and tok in req.eos_token_ids:
+                self.finish(req, "stop", None)
+            elif tok in params.stop_token_ids:
+                self.finish(req, "stop", tok)
+            elif params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+                self.finish(req, "length")
+            elif req.num_tokens >= self.config.max_model_len:
+                self.finish(req, "length")
+            if req.is_finished:
+                break
+        return kept

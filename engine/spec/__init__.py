@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, acceptance accounting and metrics."""

@@ -1,0 +1,39 @@
+"""The proposer interface the runner calls after verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.outputs import ScheduledRequest
+
+
+@dataclass
+class ProposalItem:
+    """One scheduled request after this step's target pass.
+
+    ``start`` is the first position run this step and ``num_valid`` how many of the run
+    positions hold accepted tokens (a prefill chunk: all of them; a verify window: the last
+    token plus the accepted drafts). ``row`` is the request's first row in the packed batch.
+    ``sampled`` are the tokens appended this step (empty while a prefill is in flight).
+    """
+
+    item: ScheduledRequest
+    start: int
+    num_valid: int
+    row: int
+    sampled: list[int]
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+    capture_layers: tuple[int, ...]  # target layer ids whose outputs the proposer reads
+    lookahead_slots: int  # extra KV slots a request needs past its length
+
+    def propose(
+        self, items: list[ProposalItem], captured: torch.Tensor | None
+    ) -> dict[str, list[int]]:
+        """Return draft tokens for each request that sampled this step."""
+        ...

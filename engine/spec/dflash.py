@@ -1,0 +1,190 @@
+"""DFlash proposer: one non-causal draft pass per step proposes K tokens per request.
+
+After the target pass, the tapped target states of every accepted position become draft
+context K/V (written into the draft group's pages at those positions); then the query block
+``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to look-ahead slots and attends
+to the whole context plus the block. The draft is greedy; verification stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from attention.backends.base import AttentionBackend, AttentionBatch
+from attention.groups import LayerKVSpec
+from attention.kv import LayerKV
+from engine.config import ConfigError, EngineConfig
+from engine.kv_pool import KVPool
+from engine.runner import slots_for
+from engine.spec.base import ProposalItem
+from models.dflash import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDraftModel
+from models.hf_folder import iter_safetensors, load_hf_config
+from models.llama import LlamaForCausalLM
+
+
+class DFlashProposer:
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        target: LlamaForCausalLM,
+        num_speculative_tokens: int,
+        cache_dtype: str,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.draft = draft
+        self.target = target
+        self.num_speculative_tokens = num_speculative_tokens
+        self.capture_layers = tuple(draft.config.target_layer_ids)
+        self.lookahead_slots = num_speculative_tokens + 1  # the next block: p .. p+K
+        self.cache_dtype = cache_dtype
+        self.block_size = block_size
+        self.device = device
+        self.layer_names = [f"draft.{name}" for name in draft.layer_names]
+        self._kv: list[LayerKV] | None = None
+        self._backend: AttentionBackend | None = None
+
+    @classmethod
+    def create(
+        cls, config: EngineConfig, target: LlamaForCausalLM, device: torch.device
+    ) -> DFlashProposer:
+        spec = config.speculative
+        path = Path(spec.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"speculative_config.model {spec.model!r} is not a folder with config.json",
+                "speculative_config.model",
+            )
+        dcfg = DFlashConfig.from_hf(load_hf_config(path))
+        validate_draft(dcfg, target, has_mask_embedding=_has_mask_embedding(path))
+        k = spec.num_speculative_tokens or dcfg.block_size - 1
+        if not 1 <= k <= dcfg.block_size - 1:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens must be in [1, {dcfg.block_size - 1}] "
+                f"for a draft with block_size {dcfg.block_size}, got {k}",
+                "speculative_config.num_speculative_tokens",
+            )
+        # The draft is built under a copy of the cache config with its own dtype; the layout
+        # cell is shared with the original, so the layout resolved later is seen by both.
+        draft_cache = dataclasses.replace(
+            config.cache, cache_dtype=spec.kv_cache_dtype or config.cache.cache_dtype
+        )
+        max_positions = target.rotary.max_positions
+        with torch.device(device):
+            draft = DFlashDraftModel(dcfg, max_positions)
+        draft = draft.to(dtype=config.model.dtype).eval().requires_grad_(False)
+        draft.load_weights(iter_safetensors(path))
+        mask_file = path / MASK_EMBEDDING_FILE
+        if mask_file.is_file():
+            from safetensors.torch import load_file
+
+            draft.set_mask_embedding(load_file(str(mask_file))["mask_embedding"])
+        return cls(draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
+
+    # -- engine wiring ---------------------------------------------------------------------
+    def layer_specs(self) -> list[LayerKVSpec]:
+        c = self.draft.config
+        return [
+            LayerKVSpec(name, "draft", c.num_kv_heads, c.head_dim, self.cache_dtype, self.block_size)
+            for name in self.layer_names
+        ]
+
+    def bind(self, pool: KVPool, backend: AttentionBackend | None) -> None:
+        """Receive the draft layers' pages (layout and dtype come from the pool) and backend."""
+        self._kv = pool.layers(self.layer_names)
+        self._backend = backend
+
+    # -- proposing ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(
+        self, items: list[ProposalItem], captured: torch.Tensor | None
+    ) -> dict[str, list[int]]:
+        if self._kv is None or self._backend is None:
+            raise RuntimeError("DFlashProposer.bind() must be called before propose()")
+        if captured is None:
+            raise RuntimeError("DFlash needs the target's tapped hidden states")
+        bs = self.block_size
+        k = self.num_speculative_tokens
+        ctx_rows, ctx_pos, ctx_slots = [], [], []
+        block_ids: list[int] = []
+        block_pos, block_slots, kv_lens, tables = [], [], [], []
+        mask_id = self.draft.config.mask_token_id
+        proposing: list[str] = []
+        for it in items:
+            req = it.item.request
+            if it.num_valid > 0:
+                ctx_rows.append(torch.arange(it.row, it.row + it.num_valid))
+                ctx_pos.append(torch.arange(it.start, it.start + it.num_valid))
+                ctx_slots.append(slots_for(req.block_table, it.start, it.start + it.num_valid, bs))
+            if not it.sampled:
+                continue
+            p = it.start + it.num_valid  # position of the newest (bonus) token
+            proposing.append(req.request_id)
+            block_ids.append(it.sampled[-1])
+            block_ids.extend([mask_id if mask_id is not None else 0] * k)
+            block_pos.append(torch.arange(p, p + k + 1))
+            block_slots.append(slots_for(req.block_table, p, p + k + 1, bs))
+            kv_lens.append(p + k + 1)
+            tables.append(tuple(req.block_table))
+        if ctx_rows:
+            rows = torch.cat(ctx_rows).to(self.device)
+            self.draft.write_context(
+                captured.index_select(0, rows),
+                torch.cat(ctx_pos).to(self.device),
+                torch.cat(ctx_slots).to(self.device),
+                self._kv,
+            )
+        if not proposing:
+            return {}
+        n = len(proposing)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        embeds = self.target.embed(ids)
+        if self.draft.mask_embedding is not None:
+            embeds = embeds.view(n, k + 1, -1).clone()
+            embeds[:, 1:] = self.draft.mask_embedding.to(embeds.dtype)
+            embeds = embeds.view(n * (k + 1), -1)
+        batch = AttentionBatch(
+            q_lens=(k + 1,) * n, kv_lens=tuple(kv_lens), block_tables=tuple(tables),
+            slot_mapping=torch.cat(block_slots), causal=False, block_size=bs,
+        )
+        meta = self._backend.build_metadata(batch, self.device)
+        hidden = self.draft(embeds, torch.cat(block_pos).to(self.device), meta, self._kv)
+        hidden = hidden.view(n, k + 1, -1)[:, 1:].reshape(n * k, -1)
+        tokens = self.target.compute_logits(hidden).argmax(dim=-1).view(n, k).tolist()
+        return dict(zip(proposing, tokens))
+
+
+def _has_mask_embedding(path: Path) -> bool:
+    return (path / MASK_EMBEDDING_FILE).is_file()
+
+
+def validate_draft(cfg: DFlashConfig, target: LlamaForCausalLM, has_mask_embedding: bool) -> None:
+    """Startup checks of a draft against its target; each names the field and allowed values."""
+    t = target.config
+    if cfg.hidden_size != t.hidden_size:
+        raise ConfigError(
+            f"Draft hidden_size {cfg.hidden_size} differs from the target's {t.hidden_size}; "
+            "a DFlash draft shares the target's embedding and LM head, so they must be equal",
+            "speculative_config.model",
+        )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad or not cfg.target_layer_ids:
+        raise ConfigError(
+            f"Draft dflash_config.target_layer_ids {list(cfg.target_layer_ids)} must be non-empty "
+            f"with ids in [0, {t.num_layers - 1}] (the target has {t.num_layers} layers)",
+            "speculative_config.model",
+        )
+    if cfg.block_size < 2:
+        raise ConfigError(f"Draft block_size must be >= 2, got {cfg.block_size}",
+                          "speculative_config.model")
+    if not has_mask_embedding:
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < t.vocab_size:
+            raise ConfigError(
+                f"Draft dflash_config.mask_token_id {cfg.mask_token_id} must be in "
+                f"[0, {t.vocab_size - 1}] (the target's vocabulary), or the draft must ship "
+                f"{MASK_EMBEDDING_FILE}",
+                "speculative_config.model",
+            )

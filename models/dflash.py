@@ -1,0 +1,252 @@
+"""The DFlash draft model (reference checkpoint format), a pure function like the target.
+
+The draft has no embedding or LM head of its own. It fuses the target's hidden states at
+``target_layer_ids`` (``fc`` then ``hidden_norm``) into a context feature per position; every
+draft layer projects that feature with its own ``k_proj``/``v_proj`` (+ ``k_norm``, RoPE) into
+context K/V. A query block ``[last token, MASK x K]`` then runs through the Qwen3-style layers
+with non-causal attention over the context and the whole block.
+
+Checkpoint: ``config.json`` (``architectures: ["DFlashDraftModel"]``, Qwen3 fields,
+``block_size``, ``num_target_layers``, ``dflash_config.{target_layer_ids, mask_token_id}``) and
+safetensors with ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``,
+``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``, ``fc``,
+``hidden_norm``, ``norm``. A draft may also ship its own mask embedding: a float tensor of shape
+``[hidden_size]`` named ``mask_embedding``, in ``mask_embedding.safetensors`` or in the main
+weights; when present it replaces the target's embedding row at every MASK slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention.backends.base import AttentionMetadata
+from attention.kv import LayerKV, write_kv
+from models.hf_folder import ModelConfigError, normalize_rope
+from models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from models.llama import PACKED, WeightLoadError, _copy
+
+MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
+MASK_EMBEDDING_KEY = "mask_embedding"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    attention_bias: bool
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int | None
+    num_target_layers: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DFlashConfig:
+        archs = hf.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise ModelConfigError(
+                f"Draft config.json has architectures {archs}; expected ['DFlashDraftModel']"
+            )
+        dflash = hf.get("dflash_config") or {}
+        try:
+            layers = int(hf["num_hidden_layers"])
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            num_target = hf.get("num_target_layers")
+            ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
+            if ids is None:
+                if num_target is None:
+                    raise ModelConfigError(
+                        "Draft config needs dflash_config.target_layer_ids or num_target_layers"
+                    )
+                ids = default_target_layer_ids(int(num_target), layers)
+            rope = normalize_rope(hf)
+            mask_id = dflash.get("mask_token_id", hf.get("mask_token_id"))
+            return cls(
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=layers,
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope["rope_theta"],
+                rope_scaling=rope["rope_scaling"],
+                attention_bias=bool(hf.get("attention_bias", False)),
+                block_size=int(dflash.get("block_size", hf.get("block_size", 16))),
+                target_layer_ids=tuple(int(i) for i in ids),
+                mask_token_id=None if mask_id is None else int(mask_id),
+                num_target_layers=None if num_target is None else int(num_target),
+            )
+        except KeyError as exc:
+            raise ModelConfigError(f"Draft config.json is missing the field {exc.args[0]!r}") from exc
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Evenly spaced taps from layer 1 to ``num_target_layers - 3`` (one tap: the middle)."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        bias = cfg.attention_bias
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def context_kv(
+        self, ctx: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of fused context features ``[N, H]`` (k_norm and RoPE applied to K)."""
+        n = ctx.shape[0]
+        w = self.qkv_proj.weight[self.q_size :]
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+        k, v = torch.nn.functional.linear(ctx, w, b).split(self.kv_size, dim=-1)
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        cos = self.rotary.cos[positions].to(k.dtype)[:, None, :]
+        sin = self.rotary.sin[positions].to(k.dtype)[:, None, :]
+        return apply_rotary(k, cos, sin), v.view(n, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        out = meta.attend(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, rotary)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DFlashConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DraftLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        n_taps = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mask_embedding: nn.Parameter | None = None
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"layers.{i}" for i in range(self.config.num_layers)]
+
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Context features ``[N, H]`` from concatenated tapped target states ``[N, taps*H]``."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def write_context(
+        self,
+        target_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_caches: Sequence[LayerKV],
+    ) -> None:
+        """Store every layer's context K/V for the given positions in the draft's pages."""
+        if target_hidden.shape[0] == 0:
+            return
+        ctx = self.fuse(target_hidden)
+        for layer, kv in zip(self.layers, kv_caches):
+            k, v = layer.self_attn.context_kv(ctx, positions)
+            write_kv(kv, k, v, slot_mapping)
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: Sequence[LayerKV],
+    ) -> torch.Tensor:
+        """Run query blocks (non-causal metadata) and return the final-normed states."""
+        h = block_embeds
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(positions, h, meta, kv)
+        return self.norm(h)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        cfg = self.config
+        sizes = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
+                 "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size),
+                 "gate_proj": (0, cfg.intermediate_size),
+                 "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+        loaded: dict[str, int] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name == MASK_EMBEDDING_KEY:
+                self.set_mask_embedding(tensor)
+                continue
+            if "rotary_emb" in name:
+                continue
+            parts = name.split(".")
+            target = name
+            rows = None
+            if len(parts) >= 2 and parts[-2] in PACKED:
+                target = ".".join(parts[:-2] + [PACKED[parts[-2]][0], parts[-1]])
+                rows = sizes[parts[-2]]
+            if target not in params:
+                raise WeightLoadError(f"Draft tensor {hf_name!r} has no matching parameter")
+            dst = params[target].data
+            with torch.no_grad():
+                _copy(dst if rows is None else dst[rows[0] : rows[0] + rows[1]], tensor, hf_name)
+            loaded[target] = loaded.get(target, 0) + 1
+        expected = {n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
+                    if n != "mask_embedding"}
+        missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
+        if missing:
+            raise WeightLoadError(f"Draft checkpoint is missing weights: {missing[:8]}")
+
+    def set_mask_embedding(self, vector: torch.Tensor) -> None:
+        if tuple(vector.shape) != (self.config.hidden_size,):
+            raise WeightLoadError(
+                f"mask_embedding has shape {tuple(vector.shape)}, expected ({self.config.hidden_size},)"
+            )
+        self.mask_embedding = nn.Parameter(vector.detach().clone().to(self.fc.weight.dtype),
+                                           requires_grad=False)

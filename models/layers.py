@@ -1,0 +1,84 @@
+"""Building blocks shared by the target and draft models."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as Hugging Face Llama/Qwen do."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies for rotary embeddings (``default`` or ``llama3`` scaling)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling or scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE from a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # plain attributes, not buffers: ``Module.to(dtype)`` must not round the table
+        self.cos, self.sin = emb.cos(), emb.sin()
+        self.max_positions = max_positions
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[N, Hq, D]`` and ``k`` ``[N, Hk, D]`` at ``positions`` ``[N]``."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """Gate and up projections fused into one matmul, then SiLU(gate) * up and down."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,205 @@
+"""One decoder for the Llama family: Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm).
+
+The forward pass is a pure function of ``(input_ids, positions, attention metadata, per-layer
+KV handles)``; it knows nothing about requests, sampling or serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.backends.base import AttentionMetadata
+from attention.kv import LayerKV
+from models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint does not fit the model built from its config."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+# Hugging Face parameter name -> (our fused parameter, shard index)
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def shard_sizes(self, name: str) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = meta.attend(q, k, v, kv, self.scale)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 decoder with a tied or untied LM head."""
+
+    def __init__(self, cfg: DecoderConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"layers.{i}" for i in range(self.config.num_layers)]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: Sequence[LayerKV],
+        capture: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the final-normed hidden states ``[N, H]`` and, if ``capture`` names layer
+        ids, the outputs of those decoder layers concatenated in that order ``[N, len*H]``."""
+        h = self.embed_tokens(input_ids)
+        wanted = {layer_id: None for layer_id in capture}
+        for i, layer in enumerate(self.layers):
+            h = layer(positions, h, meta, kv_caches[i])
+            if i in wanted:
+                wanted[i] = h
+        captured = torch.cat([wanted[i] for i in capture], dim=-1) if capture else None
+        return self.norm(h), captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in PACKED:
+                fused, shard = PACKED[parts[-2]]
+                name = ".".join(parts[:-2] + [fused, parts[-1]])
+            if name not in params:
+                raise WeightLoadError(f"Checkpoint tensor {hf_name!r} has no matching parameter")
+            param = params[name]
+            with torch.no_grad():
+                if shard is None:
+                    _copy(param.data, tensor, hf_name)
+                else:
+                    start, size = _shard_range(self.config, parts[-2], shard)
+                    _copy(param.data[start : start + size], tensor, hf_name)
+            loaded.add(f"{name}#{shard}")
+        missing = [
+            n for n in params
+            if sum(key.startswith(n + "#") for key in loaded) < _num_shards(n)
+        ]
+        if missing:
+            raise WeightLoadError(f"Checkpoint is missing weights: {missing[:8]}")
+
+
+def _num_shards(param_name: str) -> int:
+    if ".qkv_proj." in param_name:
+        return 3
+    return 2 if ".gate_up_proj." in param_name else 1
+
+
+def _shard_range(cfg: DecoderConfig, hf_proj: str, shard: int) -> tuple[int, int]:
+    if hf_proj in ("q_proj", "k_proj", "v_proj"):
+        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    else:
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+    return sum(sizes[:shard]), sizes[shard]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise WeightLoadError(
+            f"Checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
