@@ -70,14 +70,19 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
 def gather_kv(
     kv: LayerKV, block_tables: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather pages for padded block tables ``[B, nblk]`` into ``[B, H, nblk*bs, D]`` K and V."""
-    pages = kv.physical[block_tables]  # [B, nblk, 2, ...]
+    """Gather pages for padded block tables ``[B, nblk]`` as ``[B, H, nblk*bs, D]`` K and V.
+
+    NHD pages gather in one copy each and are returned as strided views; HND needs a second
+    copy to put the token axis next to the head axis.
+    """
     b, nblk = block_tables.shape
-    if kv.layout == "NHD":  # [B, nblk, 2, bs, H, D]
-        pages = pages.permute(2, 0, 4, 1, 3, 5)  # [2, B, H, nblk, bs, D]
-    else:  # [B, nblk, 2, H, bs, D]
-        pages = pages.permute(2, 0, 3, 1, 4, 5)
-    shape = (b, kv.group.num_kv_heads, nblk * kv.block_size, kv.group.head_size)
-    k = dequantize(pages[0].reshape(shape), out_dtype, kv.k_scale)
-    v = dequantize(pages[1].reshape(shape), out_dtype, kv.v_scale)
-    return k, v
+    h, d, bs = kv.group.num_kv_heads, kv.group.head_size, kv.block_size
+    out = []
+    for which, scale in ((0, kv.k_scale), (1, kv.v_scale)):
+        pages = kv.physical[:, which][block_tables]  # [B, nblk, bs, H, D] or [B, nblk, H, bs, D]
+        if kv.layout == "NHD":
+            x = pages.view(b, nblk * bs, h, d).transpose(1, 2)
+        else:
+            x = pages.transpose(1, 2).reshape(b, h, nblk * bs, d)
+        out.append(dequantize(x, out_dtype, scale))
+    return out[0], out[1]

@@ -27,7 +27,7 @@ from torch import nn
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV, write_kv
 from models.hf_folder import ModelConfigError, normalize_rope
-from models.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from models.layers import RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary
 from models.llama import PACKED, WeightLoadError, _copy
 
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
@@ -110,7 +110,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -119,46 +119,41 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
-    def context_kv(
-        self, ctx: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(self, ctx: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of fused context features ``[N, H]`` (k_norm and RoPE applied to K)."""
         n = ctx.shape[0]
         w = self.qkv_proj.weight[self.q_size :]
         b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
         k, v = torch.nn.functional.linear(ctx, w, b).split(self.kv_size, dim=-1)
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        cos = self.rotary.cos[positions].to(k.dtype)[:, None, :]
-        sin = self.rotary.sin[positions].to(k.dtype)[:, None, :]
-        return apply_rotary(k, cos, sin), v.view(n, self.num_kv_heads, self.head_dim)
+        return apply_rotary(k, *rope), v.view(n, self.num_kv_heads, self.head_dim)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+        self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = meta.attend(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(cfg, rotary)
+        self.self_attn = DraftAttention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+        self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta, kv)
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -167,7 +162,7 @@ class DFlashDraftModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DraftLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         n_taps = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -193,8 +188,9 @@ class DFlashDraftModel(nn.Module):
         if target_hidden.shape[0] == 0:
             return
         ctx = self.fuse(target_hidden)
+        rope = self.rotary.lookup(positions, ctx.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            k, v = layer.self_attn.context_kv(ctx, positions)
+            k, v = layer.self_attn.context_kv(ctx, rope)
             write_kv(kv, k, v, slot_mapping)
 
     def forward(
@@ -206,8 +202,9 @@ class DFlashDraftModel(nn.Module):
     ) -> torch.Tensor:
         """Run query blocks (non-causal metadata) and return the final-normed states."""
         h = block_embeds
+        rope = self.rotary.lookup(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(positions, h, meta, kv)
+            h = layer(rope, h, meta, kv)
         return self.norm(h)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

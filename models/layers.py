@@ -55,13 +55,14 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = emb.cos(), emb.sin()
         self.max_positions = max_positions
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[N, Hq, D]`` and ``k`` ``[N, Hk, D]`` at ``positions`` ``[N]``."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos/sin rows for ``positions`` ``[N]``, shaped ``[N, 1, D]`` to broadcast over heads.
+
+        Computed once per forward pass and shared by every layer."""
+        return (self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

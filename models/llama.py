@@ -15,7 +15,7 @@ from torch import nn
 
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV
-from models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from models.layers import RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 class WeightLoadError(ValueError):
@@ -60,7 +60,7 @@ PACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
@@ -68,14 +68,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
-    def shard_sizes(self, name: str) -> list[int]:
-        return [self.q_size, self.kv_size, self.kv_size]
-
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+        self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -84,23 +80,23 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = meta.attend(q, k, v, kv, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+        self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta, kv)
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -112,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
@@ -140,9 +136,10 @@ class LlamaForCausalLM(nn.Module):
         """Return the final-normed hidden states ``[N, H]`` and, if ``capture`` names layer
         ids, the outputs of those decoder layers concatenated in that order ``[N, len*H]``."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, h.dtype)
         wanted = {layer_id: None for layer_id in capture}
         for i, layer in enumerate(self.layers):
-            h = layer(positions, h, meta, kv_caches[i])
+            h = layer(rope, h, meta, kv_caches[i])
             if i in wanted:
                 wanted[i] = h
         captured = torch.cat([wanted[i] for i in capture], dim=-1) if capture else None

@@ -48,7 +48,9 @@ class TorchBackend:
             current.append(i)
         if current:
             buckets.append(_make_bucket(current, batch, starts, device))
-        return TorchMetadata(batch.slot_mapping.to(device), buckets, batch.num_tokens)
+        # one bucket of equal-length requests already in packed order: no gather/scatter needed
+        identity = len(buckets) == 1 and buckets[0].valid is None and order == sorted(order)
+        return TorchMetadata(batch.slot_mapping.to(device), buckets, batch.num_tokens, identity)
 
 
 @dataclass
@@ -101,12 +103,15 @@ class TorchMetadata:
     slot_mapping: torch.Tensor
     buckets: list[_Bucket]
     num_tokens: int
+    identity: bool = False
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float
     ) -> torch.Tensor:
         write_kv(kv, k, v, self.slot_mapping)
         num_heads, head_dim = q.shape[1], q.shape[2]
+        if self.identity:
+            return _attend_bucket(q, kv, self.buckets[0], scale)
         out = q.new_empty(q.shape)
         for b in self.buckets:
             qb = q.index_select(0, b.token_index)
@@ -114,14 +119,19 @@ class TorchMetadata:
                 padded = q.new_zeros((b.batch * b.max_q, num_heads, head_dim))
                 padded[b.valid] = qb
                 qb = padded
-            qb = qb.view(b.batch, b.max_q, num_heads, head_dim).transpose(1, 2)
-            kb, vb = gather_kv(kv, b.block_tables, q.dtype)
-            ob = F.scaled_dot_product_attention(
-                qb, kb, vb, attn_mask=b.mask, scale=scale,
-                enable_gqa=num_heads != kb.shape[1],
-            )
-            ob = ob.transpose(1, 2).reshape(b.batch * b.max_q, num_heads, head_dim)
+            ob = _attend_bucket(qb, kv, b, scale)
             if b.valid is not None:
                 ob = ob[b.valid]
             out.index_copy_(0, b.token_index, ob)
         return out
+
+
+def _attend_bucket(q: torch.Tensor, kv: LayerKV, b: _Bucket, scale: float) -> torch.Tensor:
+    """Attention for one padded bucket; ``q`` is ``[B*max_q, Hq, D]`` in padded order."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qb = q.view(b.batch, b.max_q, num_heads, head_dim).transpose(1, 2)
+    kb, vb = gather_kv(kv, b.block_tables, q.dtype)
+    ob = F.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=b.mask, scale=scale, enable_gqa=num_heads != kb.shape[1]
+    )
+    return ob.transpose(1, 2).reshape(b.batch * b.max_q, num_heads, head_dim)

@@ -1,0 +1,1 @@
+"""Load tests and speed comparisons."""
