@@ -41,6 +41,7 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0
     served_model_name: str | None = None
+    load_format: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -72,6 +73,7 @@ class EngineArgs:
             vocab_size=dec.vocab_size,
             served_model_name=self.served_model_name or self.model,
             seed=self.seed,
+            load_format=self.load_format,
         )
         cache = CacheConfig(
             block_size=self.block_size,

@@ -35,6 +35,7 @@ class ModelConfig:
     vocab_size: int
     served_model_name: str
     seed: int = 0
+    load_format: str = "auto"  # "dummy": random weights (benchmarks of model shapes, no files)
 
 
 @dataclass(frozen=True)

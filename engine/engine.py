@@ -60,7 +60,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         # positions past max_model_len are needed by draft blocks (look-ahead slots)
         max_positions = mc.max_model_len + 128
-        self.model = load_target(mc.path, mc.hf_config, mc.dtype, max_positions, self.device)
+        self.model = load_target(
+            mc.path, mc.hf_config, mc.dtype, max_positions, self.device, mc.load_format
+        )
         cfg = self.model.config
         self.target_layers = [f"target.{name}" for name in self.model.layer_names]
         specs = [
@@ -71,10 +73,13 @@ class LLMEngine:
         if self.proposer is not None:
             specs += self.proposer.layer_specs()
         groups = build_groups(specs, mc.dtype)
-        backends = {"target": get_backend(config.attention_backend, self.device)}
+        names = {"target": config.attention_backend}
         if "draft" in groups:
-            backend_name = config.speculative.attention_backend or config.attention_backend
-            backends["draft"] = get_backend(backend_name, self.device)
+            names["draft"] = config.speculative.attention_backend or config.attention_backend
+        instances = {}  # one instance per backend name: groups on one backend share its workspace
+        for name in set(names.values()):
+            instances[name] = get_backend(name, self.device)
+        backends = {group: instances[name] for group, name in names.items()}
         for name, group in groups.items():
             backends[name].check_support(group.dtype, mc.dtype, group.head_size, name)
         layout, reason = choose_layout(

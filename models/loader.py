@@ -81,10 +81,29 @@ def build_target(
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_target(
-    path: Path, hf: dict[str, Any], dtype: torch.dtype, max_positions: int, device: torch.device
+    path: Path,
+    hf: dict[str, Any],
+    dtype: torch.dtype,
+    max_positions: int,
+    device: torch.device,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
+    """Build the target and load its safetensors (``dummy``: small random weights instead)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"Unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     cfg = decoder_config(hf)
     model = build_target(cfg, dtype, max_positions, device)
+    if load_format == "dummy":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+        return model
     model.load_weights(iter_safetensors(path))
     return model

@@ -32,7 +32,9 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
                 "FlashInfer backend needs a CUDA device and the flashinfer package "
                 "(pip install specserve[gpu]); the flashinfer package is not installed"
             ) from exc
-        raise BackendUnavailableError("The FlashInfer backend is not implemented yet")
+        from attention.backends.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device)
     raise ValueError(f"Unknown attention backend {name!r}; valid: {', '.join(BACKENDS)}")
 
 

@@ -1,0 +1,155 @@
+"""Build the DFlash draft's training data: the target's own greedy answers, then tapped features.
+
+Step 1 (``generate``): prompts from GSM8K train and self-instruct (minus the held-out slice
+used for evaluation; never GSM8K test) are answered by the target itself with this engine
+(greedy, chat template). Sequences go to ``sequences.jsonl`` (resumable: existing lines are
+kept and skipped).
+
+Step 2 (``features``): one prefill pass per sequence captures the outputs of the candidate
+target layers, stored as float16 shards (``features-XXXX.pt``) so training epochs never rerun
+the target.
+
+    python scripts/dflash_data.py generate --out DIR --num-gsm8k 2000
+    python scripts/dflash_data.py features --out DIR --layers 1 8 14 20 27
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from attention.backends.base import AttentionBatch  # noqa: E402
+from benchmarks import prompts as prompt_sets  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+# The last HELD_OUT user-oriented self-instruct tasks are kept out of training for evaluation.
+HELD_OUT = 50
+
+
+def default_out() -> Path:
+    import os
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "specserve" / "dflash-data"
+
+
+def training_prompts(num_gsm8k: int, data_dir: Path = prompt_sets.DATA_DIR) -> list[dict]:
+    rows = [{"source": "gsm8k_train", "prompt": q}
+            for q in prompt_sets.gsm8k_questions("train", num_gsm8k, data_dir)]
+    seed = prompt_sets.read_jsonl(data_dir / "self_instruct_seed_tasks.jsonl")
+    user = prompt_sets.read_jsonl(data_dir / "self_instruct_user_oriented.jsonl")
+    for row in seed + user[:-HELD_OUT]:
+        rows += [{"source": "self_instruct", "prompt": p} for p in prompt_sets._self_instruct_rows(row)]
+    return rows
+
+
+def held_out_prompts(data_dir: Path = prompt_sets.DATA_DIR) -> list[str]:
+    user = prompt_sets.read_jsonl(data_dir / "self_instruct_user_oriented.jsonl")
+    out: list[str] = []
+    for row in user[-HELD_OUT:]:
+        out += prompt_sets._self_instruct_rows(row)
+    return out
+
+
+def generate(args) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "sequences.jsonl"
+    done = sum(1 for _ in path.open()) if path.exists() else 0
+    rows = training_prompts(args.num_gsm8k)
+    todo = rows[done:]
+    print(f"{len(rows)} prompts, {done} done, {len(todo)} to generate", flush=True)
+    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
+              max_model_len=args.max_model_len, max_num_seqs=args.batch)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    start, tokens = time.perf_counter(), 0
+    with path.open("a") as f:
+        for i in range(0, len(todo), args.batch):
+            chunk = todo[i : i + args.batch]
+            texts = prompt_sets.chat(tok, [r["prompt"] for r in chunk])
+            ids = [tok.encode(t) for t in texts]
+            keep = [(r, p) for r, p in zip(chunk, ids) if len(p) + args.max_tokens <= args.max_model_len]
+            outs = llm.generate([{"prompt_token_ids": p} for _, p in keep], params)
+            for (row, prompt_ids), out in zip(keep, outs):
+                resp = out.outputs[0].token_ids
+                tokens += len(resp)
+                f.write(json.dumps({**row, "prompt_ids": prompt_ids, "response_ids": resp,
+                                    "finish_reason": out.outputs[0].finish_reason}) + "\n")
+            f.flush()
+            rate = tokens / (time.perf_counter() - start)
+            print(f"{done + i + len(chunk)}/{len(rows)} sequences, {rate:.0f} tok/s", flush=True)
+
+
+@torch.inference_mode()
+def features(args) -> None:
+    seqs = [json.loads(line) for line in (args.out / "sequences.jsonl").open()]
+    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
+              max_model_len=args.max_model_len, max_num_seqs=1)
+    engine = llm.engine
+    layers = tuple(args.layers)
+    shard_size = args.shard_size
+    meta = {"layers": list(layers), "dtype": args.dtype, "shards": []}
+    for s0 in range(0, len(seqs), shard_size):
+        name = f"features-{s0 // shard_size:04d}.pt"
+        chunk = seqs[s0 : s0 + shard_size]
+        if not (args.out / name).exists():
+            feats, ids, lens, prompt_lens = [], [], [], []
+            for row in chunk:
+                seq = row["prompt_ids"] + row["response_ids"]
+                feats.append(capture(engine, seq, layers).to(torch.float16))
+                ids.append(torch.tensor(seq, dtype=torch.int32))
+                lens.append(len(seq))
+                prompt_lens.append(len(row["prompt_ids"]))
+            torch.save({"features": torch.cat(feats), "ids": torch.cat(ids),
+                        "lengths": torch.tensor(lens), "prompt_lengths": torch.tensor(prompt_lens),
+                        "layers": list(layers)}, args.out / name)
+            print(f"{name}: {len(chunk)} sequences, {sum(lens)} tokens", flush=True)
+        meta["shards"].append(name)
+    (args.out / "features.json").write_text(json.dumps(meta, indent=2))
+
+
+def capture(engine, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """Outputs of ``layers`` for every position of one sequence (a single causal prefill).
+
+    Borrows the first blocks of the engine's pool, so no request may be running."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("capture() borrows KV blocks; the engine must be idle")
+    bs = engine.config.cache.block_size
+    n = len(token_ids)
+    nblk = -(-n // bs)
+    batch = AttentionBatch(q_lens=(n,), kv_lens=(n,), block_tables=(tuple(range(nblk)),),
+                           slot_mapping=torch.arange(n), causal=True, block_size=bs)
+    meta = engine.runner.backend.build_metadata(batch, engine.device)
+    _, captured = engine.model(torch.tensor(token_ids, device=engine.device),
+                               torch.arange(n, device=engine.device), meta,
+                               engine.runner.kv_layers, layers)
+    return captured.float().cpu()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=["generate", "features"])
+    p.add_argument("--out", type=Path, default=default_out())
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-gsm8k", type=int, default=2000)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--layers", type=int, nargs="+", default=[1, 8, 14, 20, 27])
+    p.add_argument("--shard-size", type=int, default=256)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    generate(args) if args.step == "generate" else features(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Train a DFlash draft for a target from stored target features (see ``dflash_data.py``).
+
+Per sequence: random anchors in the response; each anchor's block ``[token, MASK x (B-1)]``
+sees only context strictly before its anchor plus its own block (non-causal); slot k predicts
+token ``anchor + k`` with cross-entropy weighted by ``exp(-(k-1)/gamma)``. The target's
+embedding and LM head are frozen; AdamW with warmup and cosine decay, gradient clipping,
+checkpoints every ``--save-every`` steps, ``--resume`` to continue a run.
+
+    python scripts/train_dflash.py --data DIR --out DIR --layers 1 --taps 1 14 27 --block-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
+from models.dflash_init import draft_hf_config, save_draft  # noqa: E402
+from models.layers import apply_rotary  # noqa: E402
+
+# --------------------------------------------------------------------------- masks and labels
+
+
+def block_mask(seq_len: int, anchors: list[int], block_size: int) -> torch.Tensor:
+    """``[N*B, S + N*B]`` bool: block n's queries see context ``j < anchors[n]`` and the whole of
+    block n (its own positions, both directions); blocks never see each other."""
+    n = len(anchors)
+    q_block = torch.arange(n * block_size) // block_size  # [NB]
+    ctx = torch.arange(seq_len)[None, :] < torch.tensor(anchors)[q_block][:, None]
+    blk = q_block[:, None] == q_block[None, :]
+    return torch.cat([ctx, blk], dim=1)
+
+
+def block_labels(ids: torch.Tensor, anchors: list[int], block_size: int) -> torch.Tensor:
+    """``[N, B]`` labels: slot k of anchor a is ``ids[a + k]``; slot 0 and past-the-end: -100."""
+    s = ids.shape[0]
+    labels = torch.full((len(anchors), block_size), -100, dtype=torch.long)
+    for i, a in enumerate(anchors):
+        for k in range(1, block_size):
+            if a + k < s:
+                labels[i, k] = int(ids[a + k])
+    return labels
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/gamma)`` for k >= 1; slot 0 has weight 0."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def sample_anchors(prompt_len: int, seq_len: int, count: int, rng: random.Random) -> list[int]:
+    """Distinct random anchors in the response (each leaves at least one label)."""
+    lo, hi = max(1, prompt_len - 1), seq_len - 2
+    if hi < lo:
+        return []
+    pool = list(range(lo, hi + 1))
+    return sorted(rng.sample(pool, min(count, len(pool))))
+
+
+# --------------------------------------------------------------------------- dense forward
+
+
+def dense_forward(
+    draft: DFlashDraftModel,
+    target_feats: torch.Tensor,
+    block_embeds: torch.Tensor,
+    block_pos: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """Training forward without a paged cache: context ``[S, taps*H]`` at positions ``0..S-1``,
+    blocks ``[N*B, H]`` at ``block_pos``; returns final-normed block states ``[N*B, H]``."""
+    cfg = draft.config
+    s = target_feats.shape[0]
+    ctx = draft.fuse(target_feats)
+    ctx_rope = draft.rotary.lookup(torch.arange(s), ctx.dtype)
+    blk_rope = draft.rotary.lookup(block_pos, ctx.dtype)
+    h = block_embeds
+    for layer in draft.layers:
+        attn = layer.self_attn
+        k_ctx, v_ctx = attn.context_kv(ctx, ctx_rope)
+        x = layer.input_layernorm(h)
+        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        m = x.shape[0]
+        q = apply_rotary(attn.q_norm(q.view(m, cfg.num_heads, cfg.head_dim)), *blk_rope)
+        k = apply_rotary(attn.k_norm(k.view(m, cfg.num_kv_heads, cfg.head_dim)), *blk_rope)
+        keys = torch.cat([k_ctx, k]).transpose(0, 1)  # [Hkv, S+M, D]
+        vals = torch.cat([v_ctx, v.view(m, cfg.num_kv_heads, cfg.head_dim)]).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], vals[None], attn_mask=mask[None, None],
+            scale=attn.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )[0]
+        h = h + attn.o_proj(out.transpose(0, 1).reshape(m, attn.q_size))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return draft.norm(h)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class Sequence:
+    ids: torch.Tensor  # [S] int
+    feats: torch.Tensor  # [S, taps*H] float16
+    prompt_len: int
+
+
+def load_sequences(data: Path, taps: list[int]) -> list[Sequence]:
+    meta = json.loads((data / "features.json").read_text())
+    stored = meta["layers"]
+    missing = [t for t in taps if t not in stored]
+    if missing:
+        raise ValueError(f"Taps {missing} were not stored; stored layers: {stored}")
+    seqs = []
+    for name in meta["shards"]:
+        shard = torch.load(data / name)
+        hidden = shard["features"].shape[1] // len(stored)
+        cols = torch.cat([torch.arange(stored.index(t) * hidden, (stored.index(t) + 1) * hidden)
+                          for t in taps])
+        feats = shard["features"].index_select(1, cols)
+        start = 0
+        for n, p in zip(shard["lengths"].tolist(), shard["prompt_lengths"].tolist()):
+            seqs.append(Sequence(shard["ids"][start : start + n].long(), feats[start : start + n], p))
+            start += n
+    return seqs
+
+
+# --------------------------------------------------------------------------- training
+
+
+@dataclass
+class Frozen:
+    embed: torch.Tensor  # [V, H]
+    head: torch.Tensor  # [V, H]
+
+
+def sequence_loss(
+    draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: list[int], gamma: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted CE over the blocks of one sequence; also per-slot correct and valid counts."""
+    b = draft.config.block_size
+    s = seq.ids.shape[0]
+    feats = seq.feats.float()
+    mask = block_mask(s, anchors, b)
+    labels = block_labels(seq.ids, anchors, b)  # [N, B]
+    block_ids = seq.ids[torch.tensor(anchors)]  # anchor tokens
+    emb = draft.mask_embedding.expand(len(anchors), b, -1).clone()
+    emb[:, 0] = frozen.embed[block_ids]
+    pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).reshape(-1)
+    h = dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask)
+    h = h.view(len(anchors), b, -1)[:, 1:]
+    lab = labels[:, 1:]
+    valid = lab != -100
+    logits = h[valid] @ frozen.head.t()
+    ce = F.cross_entropy(logits, lab[valid], reduction="none")
+    w = position_weights(b, gamma)[1:].expand_as(lab)[valid]
+    loss = (w * ce).sum() / w.sum()
+    correct = torch.zeros(b - 1)
+    counts = torch.zeros(b - 1)
+    slot = torch.arange(1, b).expand_as(lab)[valid] - 1
+    counts.index_add_(0, slot, torch.ones_like(ce))
+    correct.index_add_(0, slot, (logits.argmax(-1) == lab[valid]).float())
+    return loss, correct, counts
+
+
+def lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
+    warm = max(1, int(total * warmup_frac))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def simulated_acceptance(correct_prefix: torch.Tensor) -> float:
+    """Mean accepted length (bonus included) from per-block prefix-correct flags [N, B-1]."""
+    return float((correct_prefix.cumprod(dim=1).sum(dim=1) + 1).float().mean())
+
+
+@torch.no_grad()
+def evaluate(draft, frozen, seqs, anchors_per_seq, gamma, seed=1234) -> dict:
+    rng = random.Random(seed)
+    b = draft.config.block_size
+    acc_lens, losses = [], []
+    correct = torch.zeros(b - 1)
+    counts = torch.zeros(b - 1)
+    for seq in seqs:
+        anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], anchors_per_seq, rng)
+        anchors = [a for a in anchors if a + b - 1 < seq.ids.shape[0]]
+        if not anchors:
+            continue
+        loss, c, n = sequence_loss(draft, frozen, seq, anchors, gamma)
+        losses.append(float(loss))
+        correct += c
+        counts += n
+        # per-block prefix acceptance needs per-block flags: recompute cheaply
+        acc_lens.append(_block_acceptance(draft, frozen, seq, anchors))
+    return {
+        "loss": sum(losses) / max(1, len(losses)),
+        "acc_per_pos": (correct / counts.clamp_min(1)).tolist(),
+        "sim_accept_len": sum(acc_lens) / max(1, len(acc_lens)),
+    }
+
+
+def _block_acceptance(draft, frozen, seq, anchors) -> float:
+    b = draft.config.block_size
+    mask = block_mask(seq.ids.shape[0], anchors, b)
+    emb = draft.mask_embedding.expand(len(anchors), b, -1).clone()
+    emb[:, 0] = frozen.embed[seq.ids[torch.tensor(anchors)]]
+    pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).reshape(-1)
+    h = dense_forward(draft, seq.feats.float(), emb.reshape(-1, emb.shape[-1]), pos, mask)
+    pred = (h.view(len(anchors), b, -1)[:, 1:] @ frozen.head.t()).argmax(-1)
+    labels = block_labels(seq.ids, anchors, b)[:, 1:]
+    return simulated_acceptance((pred == labels).long())
+
+
+def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dict]:
+    hf = draft_hf_config(target_cfg, num_layers=args.layers, block_size=args.block_size,
+                         target_layer_ids=args.taps, mask_token_id=None,
+                         intermediate_size=args.ffn)
+    draft = DFlashDraftModel(DFlashConfig.from_hf(hf), max_positions=args.max_positions)
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                torch.nn.init.normal_(p, std=0.02)
+    draft.mask_embedding = torch.nn.Parameter(frozen.embed.mean(0).clone())
+    return draft, hf
+
+
+def load_frozen(model: str) -> tuple[Frozen, object]:
+    from models.hf_folder import iter_safetensors, load_hf_config
+    from models.loader import decoder_config
+    from models.resolve import resolve_model_path
+
+    path = resolve_model_path(model)
+    cfg = decoder_config(load_hf_config(path))
+    tensors = dict(iter_safetensors(path))
+    embed = tensors["model.embed_tokens.weight"].float()
+    head = tensors.get("lm_head.weight", embed).float()
+    return Frozen(embed=embed, head=head), cfg
+
+
+def train(args) -> dict:
+    torch.set_num_threads(args.threads) if args.threads else None
+    frozen, target_cfg = load_frozen(args.model)
+    seqs = load_sequences(args.data, args.taps)
+    rng = random.Random(args.seed)
+    order = list(range(len(seqs)))
+    rng.shuffle(order)
+    n_val = min(args.val_sequences, len(seqs) // 10)
+    val = [seqs[i] for i in order[:n_val]]
+    train_seqs = [seqs[i] for i in order[n_val:]]
+    draft, hf = build_draft(args, target_cfg, frozen)
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    steps_per_epoch = len(train_seqs) // args.batch
+    total = steps_per_epoch * args.epochs
+    step = 0
+    ckpt = args.out / "train_state.pt"
+    if args.resume and ckpt.exists():
+        state = torch.load(ckpt)
+        draft.load_state_dict(state["model"], strict=False)
+        draft.mask_embedding = torch.nn.Parameter(state["mask_embedding"])
+        params = [p for p in draft.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        rng.setstate(state["rng"])
+        print(f"resumed at step {step}/{total}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=step, dynamic_ncols=True)
+    start = time.time()
+    history = []
+    while step < total:
+        epoch_pos = step % steps_per_epoch
+        if epoch_pos == 0:
+            rng.shuffle(train_seqs)
+        batch = train_seqs[epoch_pos * args.batch : (epoch_pos + 1) * args.batch]
+        lr = lr_at(step, total, args.lr, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        correct = torch.zeros(args.block_size - 1)
+        counts = torch.zeros(args.block_size - 1)
+        total_loss = 0.0
+        for seq in batch:
+            anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], args.anchors, rng)
+            if not anchors:
+                continue
+            loss, c, n = sequence_loss(draft, frozen, seq, anchors, args.gamma)
+            (loss / len(batch)).backward()
+            total_loss += float(loss) / len(batch)
+            correct += c
+            counts += n
+        torch.nn.utils.clip_grad_norm_(params, args.clip)
+        opt.step()
+        step += 1
+        acc = (correct / counts.clamp_min(1)).tolist()
+        bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
+        bar.update(1)
+        if step % args.save_every == 0 or step == total:
+            torch.save({"model": draft.state_dict(), "mask_embedding": draft.mask_embedding.data,
+                        "optimizer": opt.state_dict(), "step": step, "rng": rng.getstate()}, ckpt)
+    bar.close()
+    elapsed = time.time() - start
+    metrics = evaluate(draft, frozen, val, args.anchors, args.gamma)
+    metrics.update({"train_seconds": elapsed, "steps": total, "train_sequences": len(train_seqs),
+                    "val_sequences": len(val)})
+    history.append(metrics)
+    save_draft(draft, hf, args.out / "draft", dtype=torch.bfloat16)
+    (args.out / "metrics.json").write_text(json.dumps({"args": _jsonable(vars(args)), **metrics}, indent=2))
+    print(json.dumps(metrics, indent=2), flush=True)
+    return metrics
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--taps", type=int, nargs="+", default=[1, 14, 27])
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=1536)
+    p.add_argument("--gamma", type=float, default=4.0)
+    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=float, default=0.04)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--val-sequences", type=int, default=64)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--max-positions", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true")
+    return p
+
+
+if __name__ == "__main__":
+    train(parser().parse_args())
