@@ -56,9 +56,13 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tenso
 
 
 def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``k``/``v`` ``[N, H, D]`` to the slots in ``slot_mapping`` (``[N]``, long)."""
+    """Write ``k``/``v`` ``[N, H, D]`` to the slots in ``slot_mapping`` (``[N]``, long);
+    negative slots (padding) are skipped."""
     if k.shape[0] == 0:
         return
+    if int(slot_mapping.min()) < 0:  # padding rows carry slot -1: write nothing for them
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     bs = kv.block_size
     blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
     offsets = slot_mapping - blocks * bs

@@ -48,9 +48,11 @@ class LLM:
                 f"Got {len(params_list)} sampling params for {len(prompts)} prompts"
             )
         engine = self.engine
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (_, ids), params in zip(tokenized, params_list):
+            engine.validate(ids, params)  # all or nothing: reject before queueing any
         order: list[tuple[str, list[str]]] = []
-        for prompt, params in zip(prompts, params_list):
-            text, ids = self._tokenize(prompt)
+        for (text, ids), params in zip(tokenized, params_list):
             sub_ids = []
             for i in range(params.n):
                 rid = engine.new_request_id()
