@@ -122,9 +122,22 @@ class SpeculativeConfig:
                 "speculative_config.model",
             )
         if value.get("kv_cache_dtype") is not None:
-            check_cache_dtype(value["kv_cache_dtype"])
+            try:
+                check_cache_dtype(value["kv_cache_dtype"])
+            except ValueError as exc:
+                raise ConfigError(
+                    f"speculative_config.kv_cache_dtype: {exc}", "speculative_config.kv_cache_dtype"
+                ) from exc
+        backend = value.get("attention_backend")
+        if backend is not None and str(backend).lower() not in ("torch", "torch_ref", "sdpa",
+                                                                 "flashinfer"):
+            raise ConfigError(
+                f"speculative_config.attention_backend {backend!r} is unknown; valid: torch, "
+                "flashinfer",
+                "speculative_config.attention_backend",
+            )
         k = value.get("num_speculative_tokens")
-        if k is not None and (not isinstance(k, int) or k < 1):
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ConfigError(
                 f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}",
                 "speculative_config.num_speculative_tokens",

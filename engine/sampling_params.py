@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+_MIN_TEMPERATURE = 1e-5
 
 
 class SamplingParamsError(ValueError):
@@ -41,6 +44,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k in (-1, None):
             self.top_k = 0
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and math.isfinite(value),
+                   f"{name} must be a finite number, got {value!r}", name)
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            self.temperature = 0.0  # below this, softmax(logits / T) is argmax up to rounding
         _check(self.n >= 1, f"n must be at least 1, got {self.n}", "n")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}",

@@ -67,6 +67,7 @@ class DFlashConfig:
                 f"Draft config.json has architectures {archs}; expected ['DFlashDraftModel']"
             )
         dflash = hf.get("dflash_config") or {}
+        _reject_unsupported(hf, dflash)
         try:
             layers = int(hf["num_hidden_layers"])
             hidden = int(hf["hidden_size"])
@@ -99,6 +100,20 @@ class DFlashConfig:
             )
         except KeyError as exc:
             raise ModelConfigError(f"Draft config.json is missing the field {exc.args[0]!r}") from exc
+
+
+def _reject_unsupported(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
+    """Refuse draft variants this engine does not implement rather than serve them wrongly."""
+    kinds = set(hf.get("layer_types") or ["full_attention"])
+    if kinds - {"full_attention"}:
+        raise ModelConfigError(
+            f"Draft layer_types {sorted(kinds)} are not supported; only full_attention"
+        )
+    for key, neutral in (("is_causal", None), ("input_embedding_scale", 1.0),
+                         ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        value = dflash.get(key, hf.get(key))
+        if value is not None and value != neutral and not (key == "is_causal" and value is False):
+            raise ModelConfigError(f"Draft option {key}={value!r} is not supported")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:

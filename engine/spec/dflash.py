@@ -177,6 +177,12 @@ def validate_draft(cfg: DFlashConfig, target: LlamaForCausalLM, has_mask_embeddi
             f"with ids in [0, {t.num_layers - 1}] (the target has {t.num_layers} layers)",
             "speculative_config.model",
         )
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(
+            f"Draft num_attention_heads ({cfg.num_heads}) must be divisible by "
+            f"num_key_value_heads ({cfg.num_kv_heads})",
+            "speculative_config.model",
+        )
     if cfg.block_size < 2:
         raise ConfigError(f"Draft block_size must be >= 2, got {cfg.block_size}",
                           "speculative_config.model")

@@ -1,0 +1,155 @@
+"""``specserve serve [MODEL] ...``: flags mirror ``vllm serve``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from server import __version__
+
+log = logging.getLogger("specserve.server")
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve", description="A small vLLM-like LLM server with speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"specserve {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (like `vllm serve`).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
+    # TODO(bench): `specserve bench` once benchmarks/bench_serve.py exists.
+    return parser
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from engine.args import EngineArgs
+    from models.resolve import DEFAULT_MODEL
+
+    d = EngineArgs()
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="built-in model name or a local Hugging Face model folder")
+    net = p.add_argument_group("HTTP")
+    net.add_argument("--host", default="127.0.0.1", help="bind address")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--served-model-name", nargs="+", default=None,
+                     help="names accepted in `model`; the first is used in responses and "
+                          "metrics (default: MODEL)")
+    net.add_argument("--api-key", action="append", default=None,
+                     help=f"require `Authorization: Bearer KEY` on /v1/* (repeatable; env "
+                          f"{API_KEY_ENV})")
+    net.add_argument("--max-logprobs", type=int, default=20)
+    net.add_argument("--request-timeout", type=float, default=None,
+                     help="seconds after which a request is aborted (finish_reason abort)")
+    net.add_argument("--shutdown-timeout", type=float, default=0.0,
+                     help="seconds in-flight requests may finish after SIGTERM")
+    net.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")
+    net.add_argument("--disable-uvicorn-access-log", action="store_true",
+                     help="no per-request access log lines")
+    net.add_argument("--disable-log-stats", action="store_true",
+                     help="no periodic throughput / speculative decoding log lines")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16, float16")
+    eng.add_argument("--max-model-len", type=int, default=None,
+                     help="context length (default: the model's)")
+    eng.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    eng.add_argument("--max-waiting-requests", type=int, default=None,
+                     help="waiting-queue bound; past it requests get 503 + Retry-After")
+    eng.add_argument("--block-size", type=int, default=d.block_size)
+    eng.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
+    eng.add_argument("--kv-cache-layout", default=None, help="NHD or HND (default: chosen)")
+    eng.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="e.g. 512MiB, 2GiB")
+    eng.add_argument("--num-kv-blocks", type=int, default=None)
+    eng.add_argument("--attention-backend", default=d.attention_backend)
+    eng.add_argument("--speculative-config", default="default",
+                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\', or '
+                          '"none"; default: the built-in model\'s shipped draft when present')
+    eng.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    eng.add_argument("--seed", type=int, default=d.seed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2  # pragma: no cover - argparse enforces the subcommand
+
+
+def _configure_logging(level: str) -> None:
+    numeric = logging.INFO if level in ("info", "debug", "trace") else getattr(
+        logging, level.upper(), logging.INFO)
+    if level in ("debug", "trace"):
+        numeric = logging.DEBUG
+    logging.basicConfig(level=numeric, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("specserve").setLevel(numeric)
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def serve(args: argparse.Namespace) -> int:
+    _configure_logging(args.uvicorn_log_level)
+    from engine.args import EngineArgs
+    from engine.engine import LLMEngine
+    from server.app import build_app
+    from server.config import ServerConfig
+    from server.launch import make_server
+
+    names = tuple(args.served_model_name or [args.model])
+    keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV)
+                                  else []))
+    engine_kwargs: dict[str, Any] = {
+        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_memory": args.kv_cache_memory, "kv_cache_layout": args.kv_cache_layout,
+        "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_waiting_requests": args.max_waiting_requests,
+        "speculative_config": args.speculative_config,
+        "attention_backend": args.attention_backend, "device": _device(args.device),
+        "seed": args.seed, "served_model_name": names[0],
+    }
+    try:
+        server_config = ServerConfig(
+            served_model_names=names, api_keys=keys, max_logprobs=args.max_logprobs,
+            request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
+            log_stats_interval=0.0 if args.disable_log_stats else 10.0)
+        engine_config = EngineArgs(**engine_kwargs).create_engine_config()
+    except (ValueError, OSError) as exc:  # ConfigError, UnknownModelError, ModelConfigError
+        print(f"specserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    shown = {k: v for k, v in engine_kwargs.items() if v is not None}
+    log.info("specserve %s: engine args %s", __version__, json.dumps(shown, default=str))
+    log.info("server: host=%s port=%d served_model_names=%s api_key=%s request_timeout=%s "
+             "shutdown_timeout=%s", args.host, args.port, list(names),
+             "set" if keys else "none", args.request_timeout, args.shutdown_timeout)
+
+    def on_engine_dead(message: str) -> None:
+        server.request_exit(1)
+
+    app = build_app(server_config, engine_config, lambda: LLMEngine(engine_config),
+                    on_engine_dead=on_engine_dead)
+    server = make_server(app, args.host, args.port, args.uvicorn_log_level,
+                         access_log=not args.disable_uvicorn_access_log)
+    server.run()
+    return server.exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

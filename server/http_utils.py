@@ -1,0 +1,181 @@
+"""HTTP plumbing: bounded JSON bodies, SSE responses that notice disconnects, API-key auth."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.errors import BadRequestError, PayloadTooLargeError, error_body, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """Read at most ``limit`` bytes and parse a JSON object, with 400/413 errors."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise BadRequestError("Invalid Content-Length header")
+        if int(length) > limit:
+            raise PayloadTooLargeError(
+                f"The request body is {int(length)} bytes; the limit is {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"The request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(f"The request body is not valid UTF-8: {exc}") from exc
+    if not text.strip():
+        raise BadRequestError("The request body is empty; send a JSON object")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequestError(
+            f"Malformed JSON body: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise BadRequestError(f"Malformed JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object")
+    return body
+
+
+def parse_body(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from exc
+    except RecursionError as exc:
+        raise BadRequestError("The request body is nested too deeply") from exc
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(
+        payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SSEResponse(Response):
+    """Streams ``events`` as ``text/event-stream``; a client disconnect cancels the stream
+    at once, closes the generator (its ``finally`` runs) and then calls ``on_close``."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        self.status_code = 200
+        self.background = None
+        self._events = events
+        self._on_close = on_close
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _pump(self, send: Send) -> None:
+        async for data in self._events:
+            await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            pump = asyncio.ensure_future(self._pump(send))
+            watch = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (pump, watch):
+                    task.cancel()
+                await asyncio.gather(pump, watch, return_exceptions=True)
+            if pump.done() and not pump.cancelled() and pump.exception() is not None:
+                exc = pump.exception()
+                if not isinstance(exc, OSError):
+                    raise exc  # type: ignore[misc]
+        finally:
+            with contextlib.suppress(Exception):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            self._on_close()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` until it finishes or the client disconnects (then it is cancelled and
+    ``ClientDisconnected`` raised). The request body must already have been read."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+class APIKeyMiddleware:
+    """Bearer-token auth on ``/v1`` paths (OPTIONS and other paths pass), compared in
+    constant time over SHA-256 digests; 401 in the nested error shape."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str], prefixes: Sequence[str] = ("/v1",)):
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self._prefixes = tuple(prefixes)
+
+    def _guarded(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in self._prefixes)
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, token = header.partition(" ")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        ok = False
+        for expected in self._digests:
+            ok |= hmac.compare_digest(digest, expected)
+        return ok and scheme.lower() == "bearer"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS" or not self._digests
+                or not self._guarded(scope.get("path", ""))):
+            await self.app(scope, receive, send)
+            return
+        if self._authorized(Headers(scope=scope).get("authorization", "")):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            error_body("Unauthorized: a valid API key is required (Authorization: Bearer KEY)",
+                       401),
+            status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

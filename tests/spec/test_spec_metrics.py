@@ -1,0 +1,131 @@
+"""SpecDecodingStats after a run: counts, per-position counts and mean acceptance length."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.spec.stats import SpecDecodingStats
+
+from .helpers import (
+    TARGET_VOCAB,
+    OracleProposer,
+    assert_same_tokens,
+    greedy,
+    make_llm,
+    random_prompts,
+    token_ids,
+)
+
+PROMPTS = random_prompts([3, 14, 8, 22], seed=41)
+MAX_TOKENS = [40, 25, 31, 17]
+
+
+def _check_invariants(stats: SpecDecodingStats, k: int) -> None:
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert len(per_pos) == k == stats.num_spec_tokens
+    assert all(a >= b for a, b in itertools.pairwise(per_pos)), per_pos
+    assert sum(per_pos) == stats.num_accepted_tokens
+    assert per_pos[0] <= stats.num_drafts
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens <= k * stats.num_drafts
+    assert stats.num_drafts <= stats.num_draft_tokens
+    assert stats.mean_acceptance_length == pytest.approx(
+        1 + stats.num_accepted_tokens / stats.num_drafts)
+    assert stats.acceptance_rate_per_pos == pytest.approx([c / stats.num_drafts for c in per_pos])
+
+
+def _simulate_cycling(max_tokens: int, k: int):
+    """Expected stats for one request whose proposal number c is wrong at position c % (K+1)
+    (none wrong when that is K), with drafts trimmed to max_tokens - outputs - 1."""
+    out, call, drafts, draft_tokens, accepted, per_pos = 1, 0, 0, 0, 0, [0] * k
+    while out < max_tokens:
+        s = min(k, max_tokens - out - 1)
+        j = call % (k + 1)
+        acc = 0
+        if s > 0:
+            acc = min(j, s) if j < k else s
+            drafts += 1
+            draft_tokens += s
+            accepted += acc
+            for p in range(acc):
+                per_pos[p] += 1
+        out += acc + 1
+        call += 1
+    return drafts, draft_tokens, accepted, per_pos
+
+
+@pytest.mark.parametrize("k,max_tokens", [(3, 40), (5, 37)])
+def test_stats_exact_with_scripted_acceptance(qwen3_target, baseline_cache, k, max_tokens):
+    prompt = PROMPTS[0]
+    full = baseline_cache(qwen3_target, [prompt], [max_tokens + k], "auto")[0]
+    llm = make_llm(qwen3_target, {"method": "ngram", "num_speculative_tokens": k})
+
+    def corrupt(call, rid):
+        j = call % (k + 1)
+        return j if j < k else None
+
+    llm.engine.runner.proposer = OracleProposer({tuple(prompt): full}, k, TARGET_VOCAB, corrupt)
+    got = token_ids(llm.generate([prompt], greedy(max_tokens)))
+    assert_same_tokens(got, [full[:max_tokens]])
+    stats = llm.get_spec_decoding_stats()
+    drafts, draft_tokens, accepted, per_pos = _simulate_cycling(max_tokens, k)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+            stats.num_accepted_tokens_per_pos) == (drafts, draft_tokens, accepted, per_pos)
+    _check_invariants(stats, k)
+    assert stats.mean_acceptance_length == pytest.approx(1 + accepted / drafts)
+
+
+def test_stats_random_dflash_draft(qwen3_target, draft_dir, baseline_cache):
+    k = 3
+    llm = make_llm(qwen3_target, {"method": "dflash", "model": str(draft_dir),
+                                  "num_speculative_tokens": k})
+    got = token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS]))
+    assert_same_tokens(got, baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS, "auto"))
+    stats = llm.get_spec_decoding_stats()
+    _check_invariants(stats, k)
+    # every step after a prefill verifies drafts except the last one of each request
+    assert stats.num_drafts >= sum(MAX_TOKENS) // (k + 1) - len(PROMPTS)
+    # a random draft over a 256-token vocabulary is (almost) never right
+    assert 1.0 <= stats.mean_acceptance_length < 1.3
+    # outputs = one token per prefill + (accepted + 1) per verify + one per plain decode
+    plain = sum(MAX_TOKENS) - len(PROMPTS) - stats.num_drafts - stats.num_accepted_tokens
+    assert plain >= 0
+
+
+def test_stats_ngram_repetitive_prompt(qwen3_target, baseline_cache):
+    """Prompt lookup on a prompt that the model continues by copying: stats stay consistent."""
+    k = 4
+    prompt = random_prompts([6], seed=5)[0] * 5
+    want = baseline_cache(qwen3_target, [prompt], [30], "auto")
+    llm = make_llm(qwen3_target, {"method": "ngram", "num_speculative_tokens": k,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    assert_same_tokens(token_ids(llm.generate([prompt], greedy(30))), want)
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_drafts > 0
+    _check_invariants(stats, k)
+
+
+def test_stats_accumulate_across_generate_calls(qwen3_target, draft_dir):
+    llm = make_llm(qwen3_target, {"method": "dflash", "model": str(draft_dir),
+                                  "num_speculative_tokens": 2})
+    llm.generate([PROMPTS[0]], greedy(10))
+    first = llm.get_spec_decoding_stats().num_drafts
+    llm.generate([PROMPTS[0]], greedy(10))
+    assert llm.get_spec_decoding_stats().num_drafts == 2 * first > 0
+
+
+def test_stats_observe_and_merge():
+    a = SpecDecodingStats(3)
+    assert a.mean_acceptance_length == 1.0 and a.num_accepted_tokens_per_pos == [0, 0, 0]
+    a.observe(3, 2)
+    a.observe(1, 1)
+    a.observe(3, 0)
+    assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == (3, 7, 3)
+    assert a.num_accepted_tokens_per_pos == [2, 1, 0]
+    b = SpecDecodingStats(3)
+    b.observe(3, 3)
+    a.merge(b)
+    assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == (4, 10, 6)
+    assert a.num_accepted_tokens_per_pos == [3, 2, 1]
+    assert a.mean_acceptance_length == pytest.approx(1 + 6 / 4)
