@@ -55,20 +55,36 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tenso
     return out if scale == 1.0 else out.mul_(scale)
 
 
-def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``k``/``v`` ``[N, H, D]`` to the slots in ``slot_mapping`` (``[N]``, long);
-    negative slots (padding) are skipped."""
+@dataclass(frozen=True)
+class SlotIndex:
+    """Where a step's new tokens go, computed once per step and reused by every layer."""
+
+    keep: torch.Tensor | None  # rows with a real slot (None: all rows)
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotIndex:
+        keep = None
+        if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # padding rows carry -1
+            keep = slot_mapping >= 0
+            slot_mapping = slot_mapping[keep]
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        return cls(keep, blocks, slot_mapping - blocks * block_size)
+
+
+def write_kv(
+    kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | SlotIndex
+) -> None:
+    """Write ``k``/``v`` ``[N, H, D]`` to their slots (a ``[N]`` long slot mapping or a
+    prebuilt ``SlotIndex``); negative slots (padding) are skipped."""
     if k.shape[0] == 0:
         return
-    if int(slot_mapping.min()) < 0:  # padding rows carry slot -1: write nothing for them
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    bs = kv.block_size
-    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
-    offsets = slot_mapping - blocks * bs
-    cache = kv.logical
-    cache[:, 0][blocks, offsets] = quantize(k, kv.dtype, kv.k_scale)
-    cache[:, 1][blocks, offsets] = quantize(v, kv.dtype, kv.v_scale)
+    idx = slots if isinstance(slots, SlotIndex) else SlotIndex.build(slots, kv.block_size)
+    if idx.keep is not None:
+        k, v = k[idx.keep], v[idx.keep]
+    kv_new = torch.stack((quantize(k, kv.dtype, kv.k_scale), quantize(v, kv.dtype, kv.v_scale)), 1)
+    kv.logical[idx.blocks, :, idx.offsets] = kv_new  # [N, 2, H, D]
 
 
 def gather_kv(

@@ -15,7 +15,7 @@ import torch
 from attention.backends.base import AttentionBatch
 from attention.backends.paged_indices import PagedIndices, build_paged_indices
 from attention.dtypes import dtype_name
-from attention.kv import LayerKV, write_kv
+from attention.kv import LayerKV, SlotIndex, write_kv
 
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -68,7 +68,7 @@ class FlashInferBackend:
         return FlashInferMetadata(
             backend=self,
             indices=build_paged_indices(batch).to(device),
-            slot_mapping=batch.slot_mapping.to(device),
+            slots=SlotIndex.build(batch.slot_mapping.to(device), batch.block_size),
             causal=batch.causal,
             decode=decode,
         )
@@ -78,7 +78,7 @@ class FlashInferBackend:
 class FlashInferMetadata:
     backend: FlashInferBackend
     indices: PagedIndices
-    slot_mapping: torch.Tensor
+    slots: SlotIndex
     causal: bool
     decode: bool
     _planned: tuple | None = field(default=None)
@@ -109,6 +109,6 @@ class FlashInferMetadata:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float
     ) -> torch.Tensor:
-        write_kv(kv, k, v, self.slot_mapping)
+        write_kv(kv, k, v, self.slots)
         wrapper = self._plan(q, kv, scale)
         return wrapper.run(q.contiguous(), kv.physical, k_scale=kv.k_scale, v_scale=kv.v_scale)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attention.backends.base import AttentionBatch
 from attention.dtypes import dtype_name
-from attention.kv import LayerKV, gather_kv, write_kv
+from attention.kv import LayerKV, SlotIndex, gather_kv, write_kv
 
 
 class TorchBackend:
@@ -50,7 +50,8 @@ class TorchBackend:
             buckets.append(_make_bucket(current, batch, starts, device))
         # one bucket of equal-length requests already in packed order: no gather/scatter needed
         identity = len(buckets) == 1 and buckets[0].valid is None and order == sorted(order)
-        return TorchMetadata(batch.slot_mapping.to(device), buckets, batch.num_tokens, identity)
+        slots = SlotIndex.build(batch.slot_mapping.to(device), batch.block_size)
+        return TorchMetadata(slots, buckets, batch.num_tokens, identity)
 
 
 @dataclass
@@ -61,6 +62,8 @@ class _Bucket:
     mask: torch.Tensor | None  # [B, 1, max_q, S] bool or None (all visible)
     batch: int
     max_q: int
+    kv_len: int | None = None  # set for a single request: K/V are cut to this length
+    is_causal: bool = False
 
 
 def _make_bucket(
@@ -86,6 +89,13 @@ def _make_bucket(
         visible = visible & (k_pos[None, None, :] <= (kl - ql + q_pos[None, :, None]))
     needs_mask = batch.causal and max_q > 1 or any(k != span for k in kv_lens)
     mask = visible[:, None].to(device) if needs_mask else None
+    kv_len, is_causal = None, False
+    if len(reqs) == 1:
+        # one request: cut the gathered span to its length, so SDPA needs no mask at all
+        kv_len = kv_lens[0]
+        mask = visible[:, None, :, :kv_len].to(device) if batch.causal and max_q > 1 else None
+        if mask is not None and max_q == kv_len:
+            mask, is_causal = None, True  # plain prefill: top-left causal is the same thing
     uniform = all(q == max_q for q in q_lens)
     token_index = torch.cat([torch.arange(starts[i], starts[i] + batch.q_lens[i]) for i in reqs])
     if uniform:
@@ -95,12 +105,13 @@ def _make_bucket(
     return _Bucket(
         token_index=token_index.to(device), valid=valid,
         block_tables=tables.to(device), mask=mask, batch=len(reqs), max_q=max_q,
+        kv_len=kv_len, is_causal=is_causal,
     )
 
 
 @dataclass
 class TorchMetadata:
-    slot_mapping: torch.Tensor
+    slots: SlotIndex
     buckets: list[_Bucket]
     num_tokens: int
     identity: bool = False
@@ -108,7 +119,7 @@ class TorchMetadata:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float
     ) -> torch.Tensor:
-        write_kv(kv, k, v, self.slot_mapping)
+        write_kv(kv, k, v, self.slots)
         num_heads, head_dim = q.shape[1], q.shape[2]
         if self.identity:
             return _attend_bucket(q, kv, self.buckets[0], scale)
@@ -131,7 +142,10 @@ def _attend_bucket(q: torch.Tensor, kv: LayerKV, b: _Bucket, scale: float) -> to
     num_heads, head_dim = q.shape[1], q.shape[2]
     qb = q.view(b.batch, b.max_q, num_heads, head_dim).transpose(1, 2)
     kb, vb = gather_kv(kv, b.block_tables, q.dtype)
+    if b.kv_len is not None:
+        kb, vb = kb[:, :, : b.kv_len], vb[:, :, : b.kv_len]
     ob = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=b.mask, scale=scale, enable_gqa=num_heads != kb.shape[1]
+        qb, kb, vb, attn_mask=b.mask, scale=scale, is_causal=b.is_causal,
+        enable_gqa=num_heads != kb.shape[1],
     )
     return ob.transpose(1, 2).reshape(b.batch * b.max_q, num_heads, head_dim)
