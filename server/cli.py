@@ -28,7 +28,8 @@ def make_parser() -> argparse.ArgumentParser:
         description="Serve MODEL over an OpenAI-compatible HTTP API (like `vllm serve`).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(serve)
-    # TODO(bench): `specserve bench` once benchmarks/bench_serve.py exists.
+    commands.add_parser("bench", help="load-test a server: `specserve bench serve --help` "
+                        "(benchmarks/bench_serve.py)")
     return parser
 
 
@@ -80,6 +81,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # `specserve bench serve ...`: its own parser
+        from benchmarks.bench_serve import main as bench_main
+
+        return bench_main(argv[1:])
     args = make_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
