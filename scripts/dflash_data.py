@@ -60,32 +60,48 @@ def held_out_prompts(data_dir: Path = prompt_sets.DATA_DIR) -> list[str]:
 
 
 def generate(args) -> None:
+    """Answer every training prompt with the target, keeping ``--batch`` requests in flight
+    (continuous batching); each finished sequence is appended at once, so a run can stop and
+    resume anywhere."""
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "sequences.jsonl"
-    done = sum(1 for _ in path.open()) if path.exists() else 0
+    done = set()
+    if path.exists():
+        done = {json.loads(line).get("idx", i) for i, line in enumerate(path.open())}
     rows = training_prompts(args.num_gsm8k)
-    todo = rows[done:]
-    print(f"{len(rows)} prompts, {done} done, {len(todo)} to generate", flush=True)
+    todo = [(i, r) for i, r in enumerate(rows) if i not in done]
+    print(f"{len(rows)} prompts, {len(done)} done, {len(todo)} to generate", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
               max_model_len=args.max_model_len, max_num_seqs=args.batch)
-    tok = llm.get_tokenizer()
+    engine, tok = llm.engine, llm.get_tokenizer()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    start, tokens = time.perf_counter(), 0
+    pending = list(reversed(todo))
+    live: dict[str, tuple[int, dict, list[int]]] = {}
+    start, tokens, finished = time.perf_counter(), 0, 0
     with path.open("a") as f:
-        for i in range(0, len(todo), args.batch):
-            chunk = todo[i : i + args.batch]
-            texts = prompt_sets.chat(tok, [r["prompt"] for r in chunk])
-            ids = [tok.encode(t) for t in texts]
-            keep = [(r, p) for r, p in zip(chunk, ids) if len(p) + args.max_tokens <= args.max_model_len]
-            outs = llm.generate([{"prompt_token_ids": p} for _, p in keep], params)
-            for (row, prompt_ids), out in zip(keep, outs):
+        while pending or live:
+            while pending and len(live) < args.batch:
+                idx, row = pending.pop()
+                ids = tok.encode(prompt_sets.chat(tok, [row["prompt"]])[0])
+                if len(ids) + args.max_tokens > args.max_model_len:
+                    continue
+                rid = engine.new_request_id()
+                engine.add_request(rid, ids, params)
+                live[rid] = (idx, row, ids)
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                idx, row, ids = live.pop(out.request_id)
                 resp = out.outputs[0].token_ids
                 tokens += len(resp)
-                f.write(json.dumps({**row, "prompt_ids": prompt_ids, "response_ids": resp,
+                finished += 1
+                f.write(json.dumps({**row, "idx": idx, "prompt_ids": ids, "response_ids": resp,
                                     "finish_reason": out.outputs[0].finish_reason}) + "\n")
-            f.flush()
-            rate = tokens / (time.perf_counter() - start)
-            print(f"{done + i + len(chunk)}/{len(rows)} sequences, {rate:.0f} tok/s", flush=True)
+                f.flush()
+                if finished % 32 == 0:
+                    rate = tokens / (time.perf_counter() - start)
+                    print(f"{len(done) + finished}/{len(rows)} sequences, {rate:.0f} tok/s",
+                          flush=True)
 
 
 @torch.inference_mode()
