@@ -85,6 +85,7 @@ class SpeculativeConfig:
     attention_backend: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -135,6 +136,12 @@ class SpeculativeConfig:
                 f"speculative_config.attention_backend {backend!r} is unknown; valid: torch, "
                 "flashinfer",
                 "speculative_config.attention_backend",
+            )
+        limit = value.get("disable_by_batch_size")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ConfigError(
+                f"speculative_config.disable_by_batch_size must be an integer >= 1, got {limit!r}",
+                "speculative_config.disable_by_batch_size",
             )
         k = value.get("num_speculative_tokens")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):

@@ -99,6 +99,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.pool.layers(self.target_layers), backends["target"], self.device,
             Sampler(mc.seed), self.proposer,
+            config.speculative.disable_by_batch_size if config.speculative else None,
         )
         self.tokenizer = load_tokenizer(mc.path) if (mc.path / "tokenizer.json").exists() or (
             mc.path / "tokenizer_config.json").exists() else None

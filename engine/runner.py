@@ -28,6 +28,7 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         proposer: Proposer | None = None,
+        spec_max_batch: int | None = None,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
@@ -35,6 +36,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.proposer = proposer
+        self.spec_max_batch = spec_max_batch  # propose only while the batch is at most this
         self.block_size = kv_layers[0].block_size
 
     @torch.inference_mode()
@@ -86,6 +88,9 @@ class ModelRunner:
                     result.logprobs[rid] = res.logprobs
         if self.proposer is not None:
             items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
+            if self.spec_max_batch is not None and len(items) > self.spec_max_batch:
+                for it in items:
+                    it.wants_draft = False  # a large batch verifies nothing faster than it decodes
             result.drafts = self.proposer.propose(items, captured)
         return result
 

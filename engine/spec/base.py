@@ -25,6 +25,7 @@ class ProposalItem:
     num_valid: int
     row: int
     sampled: list[int]
+    wants_draft: bool = True  # False when speculation is paused (large batch): context only
 
 
 class Proposer(Protocol):

@@ -119,7 +119,7 @@ class DFlashProposer:
                 ctx_rows.append(torch.arange(it.row, it.row + it.num_valid))
                 ctx_pos.append(torch.arange(it.start, it.start + it.num_valid))
                 ctx_slots.append(slots_for(req.block_table, it.start, it.start + it.num_valid, bs))
-            if not it.sampled:
+            if not it.sampled or not it.wants_draft:
                 continue
             p = it.start + it.num_valid  # position of the newest (bonus) token
             proposing.append(req.request_id)

@@ -30,7 +30,7 @@ class NgramProposer:
     ) -> dict[str, list[int]]:
         drafts = {}
         for it in items:
-            if not it.sampled:
+            if not it.sampled or not it.wants_draft:
                 continue
             req = it.item.request
             context = req.prompt_token_ids + req.output_token_ids + it.sampled

@@ -129,3 +129,29 @@ def test_stats_observe_and_merge():
     assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens) == (4, 10, 6)
     assert a.num_accepted_tokens_per_pos == [3, 2, 1]
     assert a.mean_acceptance_length == pytest.approx(1 + 6 / 4)
+
+
+def test_disable_by_batch_size_pauses_drafts_but_keeps_output(tmp_path):
+    """Above the limit no drafts are verified; output is unchanged either way."""
+    from engine import LLM, SamplingParams
+    from .helpers import save_draft, save_target
+
+    target = save_target(tmp_path / "t")
+    draft = tmp_path / "d"
+    save_draft(draft)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    base = LLM(model=str(target), dtype="float32", speculative_config=None,
+               kv_cache_memory="16MiB").generate(prompts, params)
+    spec = {"method": "dflash", "model": str(draft)}
+    paused = LLM(model=str(target), dtype="float32", kv_cache_memory="16MiB",
+                 speculative_config={**spec, "disable_by_batch_size": 2})
+    out = paused.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    # three requests run together from the first step, so no step ever drafts
+    assert paused.get_spec_decoding_stats().num_drafts == 0
+    alone = LLM(model=str(target), dtype="float32", kv_cache_memory="16MiB",
+                speculative_config={**spec, "disable_by_batch_size": 3})
+    assert [o.outputs[0].token_ids for o in alone.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in base]
+    assert alone.get_spec_decoding_stats().num_drafts > 0
