@@ -69,7 +69,8 @@ def generate(args) -> None:
     if path.exists():
         done = {json.loads(line).get("idx", i) for i, line in enumerate(path.open())}
     rows = training_prompts(args.num_gsm8k)
-    todo = [(i, r) for i, r in enumerate(rows) if i not in done]
+    todo = [(i, r) for i, r in enumerate(rows)
+            if i not in done and (not args.sources or r["source"] in args.sources)]
     print(f"{len(rows)} prompts, {len(done)} done, {len(todo)} to generate", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
               max_model_len=args.max_model_len, max_num_seqs=args.batch)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--sources", nargs="+", choices=["gsm8k_train", "self_instruct"], default=None,
+                   help="generate only prompts from these sources (default: all)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 8, 14, 20, 27])
     p.add_argument("--shard-size", type=int, default=256)
     args = p.parse_args(argv)
