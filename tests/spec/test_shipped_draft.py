@@ -1,0 +1,44 @@
+"""The shipped DFlash draft for the default model: exact output, and it really speculates."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.args import default_draft_for
+
+QUESTIONS = [
+    "Tom has 3 boxes with 12 apples each. He gives away 10 apples. How many apples does he have left?",
+    "A train travels 60 miles per hour for 3 hours. How far does it travel?",
+    "Sara buys 4 notebooks at $2 each and a pen for $3. How much does she spend in total?",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    draft = default_draft_for("smollm2-135m-instruct")
+    assert draft is not None, "the default model must ship its DFlash draft"
+    from models.hf_folder import load_tokenizer
+    from models.resolve import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                    add_generation_prompt=True) for q in QUESTIONS]
+
+
+def test_shipped_draft_is_exact_and_accepts(prompts):
+    params = SamplingParams(max_tokens=96, temperature=0)
+    common = dict(model="smollm2-135m-instruct", dtype="float32", max_model_len=1024,
+                  kv_cache_memory="128MiB")
+    spec = LLM(**common)  # the default speculative config: the shipped draft
+    assert spec.engine.proposer is not None
+    assert spec.engine.config.speculative.method == "dflash"
+    plain = LLM(speculative_config="none", **common)
+    assert plain.engine.proposer is None
+    for prompt in prompts:  # one at a time: single-stream decoding, as served
+        want = plain.generate([prompt], params)[0].outputs[0].token_ids
+        got = spec.generate([prompt], params)[0].outputs[0].token_ids
+        assert got == want
+    stats = spec.get_spec_decoding_stats()
+    assert stats.num_drafts > 0
+    assert stats.mean_acceptance_length > 1.5, stats
