@@ -102,7 +102,9 @@ class EngineArgs:
             draft = default_draft_for(self.model)
             if draft is None:
                 return None
-            return SpeculativeConfig(method="dflash", model=str(draft))
+            # Measured (docs/performance.md): the shipped draft helps a lone GSM8K stream but
+            # costs throughput at 8 concurrent requests, so it drafts only for a lone request.
+            return SpeculativeConfig(method="dflash", model=str(draft), disable_by_batch_size=1)
         return SpeculativeConfig.parse(self.speculative_config)
 
 
