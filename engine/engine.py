@@ -120,7 +120,10 @@ class LLMEngine:
             "groups": {n: dtype_name(g.dtype) for n, g in groups.items()},
             "num_blocks": plan.num_blocks,
             "kv_tokens": plan.num_blocks * cc.block_size,
-            "speculative": config.speculative,
+            "speculative": None if config.speculative is None else {
+                **{k: v for k, v in vars(config.speculative).items() if v is not None},
+                "num_speculative_tokens": self.proposer.num_speculative_tokens,
+            },
         }
         log.info("engine ready: %s", self.startup_info)
 
