@@ -277,10 +277,7 @@ def train(args) -> dict:
     ckpt = args.out / "train_state.pt"
     if args.resume and ckpt.exists():
         state = torch.load(ckpt)
-        draft.load_state_dict(state["model"], strict=False)
-        draft.mask_embedding = torch.nn.Parameter(state["mask_embedding"])
-        params = [p for p in draft.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+        draft.load_state_dict(state["model"])  # includes the trained mask embedding
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         rng.setstate(state["rng"])
@@ -319,8 +316,8 @@ def train(args) -> dict:
         bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
         bar.update(1)
         if step % args.save_every == 0 or step == total:
-            torch.save({"model": draft.state_dict(), "mask_embedding": draft.mask_embedding.data,
-                        "optimizer": opt.state_dict(), "step": step, "rng": rng.getstate()}, ckpt)
+            torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                        "rng": rng.getstate()}, ckpt)
     bar.close()
     elapsed = time.time() - start
     metrics = evaluate(draft, frozen, val, args.anchors, args.gamma)
