@@ -25,6 +25,7 @@ from server.protocol import ChatCompletionRequest
 from server.sampling import build_params
 from server.serving_common import (
     ChoiceState,
+    collect,
     PreparedPrompt,
     ServingContext,
     follow,
@@ -74,7 +75,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
                          continuous=bool(opts and opts.continuous_usage_stats))
         return SSEResponse(events, on_close=lambda: ctx.engine.release(stream))
     try:
-        await cancel_on_disconnect(request, _collect(ctx, stream, choices))
+        await cancel_on_disconnect(request, collect(ctx, stream, choices))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
@@ -110,11 +111,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
     if req.chat_template is not None:
         raise BadRequestError("Custom chat templates are not supported; the model's template "
                               "is used", "chat_template")
-
-
-async def _collect(ctx: ServingContext, stream: RequestStream, choices: list[ChoiceState]) -> None:
-    async for _ in follow(stream, choices, ctx.engine, ctx.config.request_timeout):
-        pass
 
 
 def _token_entry(ctx: ServingContext, token_id: int, logprob: float) -> dict[str, Any]:

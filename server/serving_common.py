@@ -181,3 +181,9 @@ def unexpected_error(exc: BaseException) -> APIError:
         return exc
     log.exception("error while generating", exc_info=exc)
     return InternalServerError(f"Internal server error: {type(exc).__name__}")
+
+
+async def collect(ctx: ServingContext, stream: RequestStream, choices: list[ChoiceState]) -> None:
+    """Follow a non-streaming request until every choice is done."""
+    async for _ in follow(stream, choices, ctx.engine, ctx.config.request_timeout):
+        pass

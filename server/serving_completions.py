@@ -25,6 +25,7 @@ from server.protocol import CompletionRequest, Prompt
 from server.sampling import build_params
 from server.serving_common import (
     ChoiceState,
+    collect,
     PreparedPrompt,
     ServingContext,
     follow,
@@ -80,7 +81,7 @@ async def create_completion(ctx: ServingContext, request: Request,
                          continuous=bool(opts and opts.continuous_usage_stats))
         return SSEResponse(events, on_close=lambda: ctx.engine.release(stream))
     try:
-        await cancel_on_disconnect(request, _collect(ctx, stream, choices))
+        await cancel_on_disconnect(request, collect(ctx, stream, choices))
     except ClientDisconnected:
         return Response(status_code=499)
     finally:
@@ -116,11 +117,6 @@ async def prepare_prompts(ctx: ServingContext, prompt: Prompt, n: int = 1,
         text = await ctx.tokens.decode(item) if need_text else None
         out.append(PreparedPrompt(text, item))
     return out
-
-
-async def _collect(ctx: ServingContext, stream: RequestStream, choices: list[ChoiceState]) -> None:
-    async for _ in follow(stream, choices, ctx.engine, ctx.config.request_timeout):
-        pass
 
 
 def logprobs_block(ctx: ServingContext, entries: list[Logprob], offset: int) -> dict[str, Any]:

@@ -145,3 +145,8 @@ def test_dense_training_forward_equals_paged_draft_forward(tmp_path):
                                slot_mapping=pos, causal=False, block_size=4)
         paged = draft(emb, pos, TorchBackend().build_metadata(batch, torch.device("cpu")), kv)
     torch.testing.assert_close(dense, paged, atol=1e-5, rtol=1e-5)
+
+
+def test_simulated_acceptance_counts_the_correct_prefix_plus_bonus():
+    hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    assert train.simulated_acceptance(hits) == (3 + 1 + 5) / 3
