@@ -5,6 +5,10 @@ training), greedy: mean acceptance length, acceptance per position, and output t
 single stream and for C concurrent requests, with and without the draft, in one run.
 
     python benchmarks/eval_acceptance.py --draft models/drafts/smollm2-135m-instruct-dflash
+
+``--min-acceptance-length X`` adds the acceptance gate (see ``engine/spec/gate.py``) to the
+speculative engine, as the default serving config does; acceptance lengths are then measured
+over the drafts the gate let through, so report them from a run without it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="prompts per set used for the timed runs")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--min-acceptance-length", type=float, default=None)
+    p.add_argument("--sets", nargs="+", default=["gsm8k-test", "self-instruct-heldout"],
+                   choices=["gsm8k-test", "self-instruct-heldout"])
+    p.add_argument("--skip-acceptance", action="store_true",
+                   help="only the timed runs (no pass over the whole set)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     draft = default_draft_for(args.model) if args.draft == "default" else Path(args.draft)
@@ -69,29 +78,36 @@ def main(argv: list[str] | None = None) -> None:
     spec = {"method": "dflash", "model": str(draft)}
     if args.num_speculative_tokens:
         spec["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.min_acceptance_length:
+        spec["min_acceptance_length"] = args.min_acceptance_length
     common = dict(model=args.model, dtype=args.dtype, max_model_len=2048,
                   max_num_seqs=max(args.concurrency, 8))
     with_spec = LLM(speculative_config=spec, **common)
     plain = LLM(speculative_config=None, **common)
     tok = with_spec.get_tokenizer()
-    sets = {
-        "gsm8k-test": prompt_sets.chat(tok, prompt_sets.gsm8k_questions("test", args.gsm8k)),
-        "self-instruct-heldout": prompt_sets.chat(tok, held_out()),
+    loaders = {
+        "gsm8k-test": lambda: prompt_sets.gsm8k_questions("test", args.gsm8k),
+        "self-instruct-heldout": held_out,
     }
+    sets = {name: prompt_sets.chat(tok, loaders[name]()) for name in args.sets}
     report = {"draft": str(draft), "num_speculative_tokens": with_spec.engine.proposer.num_speculative_tokens,
-              "sets": {}}
+              "min_acceptance_length": args.min_acceptance_length, "sets": {}}
     for name, prompts in sets.items():
-        acc = run(with_spec, prompts, 16, args.max_tokens)  # acceptance over the whole set
+        acc = {"acceptance_length": None, "accepted_per_pos": []}
+        if not args.skip_acceptance:
+            acc = run(with_spec, prompts, 16, args.max_tokens)  # acceptance over the whole set
         speed = {}
         subset = prompts[: args.speed_prompts]
         for label, llm in (("dflash", with_spec), ("no-spec", plain)):
             single = run(llm, subset[: max(2, args.speed_prompts // 4)], 1, args.max_tokens)
             batch = run(llm, subset, args.concurrency, args.max_tokens)
+            if label == "dflash" and args.skip_acceptance:  # what the timed single stream accepted
+                acc = single
             speed[label] = {"single_tok_s": round(single["tok_s"], 1),
                             f"c{args.concurrency}_tok_s": round(batch["tok_s"], 1)}
         report["sets"][name] = {
             "prompts": len(prompts),
-            "acceptance_length": round(acc["acceptance_length"], 3),
+            "acceptance_length": round(acc["acceptance_length"] or 1.0, 3),
             "accepted_per_pos": acc["accepted_per_pos"],
             "speed": speed,
             "single_speedup": round(speed["dflash"]["single_tok_s"] / speed["no-spec"]["single_tok_s"], 2),

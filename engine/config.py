@@ -86,6 +86,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+    # pause drafting for a request whose smoothed acceptance length falls below this
+    min_acceptance_length: float | None = None
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -142,6 +144,14 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"speculative_config.disable_by_batch_size must be an integer >= 1, got {limit!r}",
                 "speculative_config.disable_by_batch_size",
+            )
+        floor = value.get("min_acceptance_length")
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))
+                                  or not 1.0 < floor < float("inf")):
+            raise ConfigError(
+                "speculative_config.min_acceptance_length must be a number > 1 (the acceptance "
+                f"length below which a request stops drafting), got {floor!r}",
+                "speculative_config.min_acceptance_length",
             )
         k = value.get("num_speculative_tokens")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):

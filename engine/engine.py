@@ -16,7 +16,7 @@ from attention.dtypes import dtype_name
 from attention.groups import LayerKVSpec, build_groups
 from attention.layout import choose_layout
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_pool import KVPool, plan_pool
 from engine.outputs import CompletionOutput, RequestOutput, StepPlan, StepResult
@@ -26,6 +26,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec.factory import build_proposer
+from engine.spec.gate import AcceptanceGate
 from engine.spec.stats import SpecDecodingStats
 from models.hf_folder import load_generation_config, load_tokenizer
 from models.loader import load_target
@@ -100,6 +101,7 @@ class LLMEngine:
             self.model, self.pool.layers(self.target_layers), backends["target"], self.device,
             Sampler(mc.seed), self.proposer,
             config.speculative.disable_by_batch_size if config.speculative else None,
+            _gate(config.speculative),
         )
         self.tokenizer = load_tokenizer(mc.path) if (mc.path / "tokenizer.json").exists() or (
             mc.path / "tokenizer_config.json").exists() else None
@@ -311,6 +313,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def _gate(spec: SpeculativeConfig | None) -> AcceptanceGate | None:
+    if spec is None or spec.min_acceptance_length is None:
+        return None
+    return AcceptanceGate(spec.min_acceptance_length)
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -10,6 +10,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
+from engine.spec.gate import GateState
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +37,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    spec_gate: GateState = field(default_factory=GateState)  # see engine.spec.gate
     generator: torch.Generator | None = None
     # timestamps for metrics
     first_scheduled_time: float | None = None

@@ -9,6 +9,7 @@ from attention.kv import LayerKV
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.sampler import RowGroup, Sampler
 from engine.spec.base import ProposalItem, Proposer
+from engine.spec.gate import AcceptanceGate
 from models.llama import LlamaForCausalLM
 
 
@@ -29,6 +30,7 @@ class ModelRunner:
         sampler: Sampler,
         proposer: Proposer | None = None,
         spec_max_batch: int | None = None,
+        gate: AcceptanceGate | None = None,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
@@ -37,6 +39,7 @@ class ModelRunner:
         self.sampler = sampler
         self.proposer = proposer
         self.spec_max_batch = spec_max_batch  # propose only while the batch is at most this
+        self.gate = gate  # per request: no drafts while they do not pay
         self.block_size = kv_layers[0].block_size
 
     @torch.inference_mode()
@@ -88,9 +91,14 @@ class ModelRunner:
                     result.logprobs[rid] = res.logprobs
         if self.proposer is not None:
             items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
-            if self.spec_max_batch is not None and len(items) > self.spec_max_batch:
-                for it in items:
-                    it.wants_draft = False  # a large batch verifies nothing faster than it decodes
+            # a large batch verifies nothing faster than it decodes
+            large = self.spec_max_batch is not None and len(items) > self.spec_max_batch
+            for it in items:
+                state = it.item.request.spec_gate
+                if self.gate is not None and it.item.spec_token_ids and it.item.samples:
+                    self.gate.observe(state, result.num_accepted.get(it.item.request_id, 0))
+                if large or (self.gate is not None and it.sampled and not self.gate.allows(state)):
+                    it.wants_draft = False
             result.drafts = self.proposer.propose(items, captured)
         return result
 

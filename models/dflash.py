@@ -13,6 +13,12 @@ safetensors with ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn
 ``hidden_norm``, ``norm``. A draft may also ship its own mask embedding: a float tensor of shape
 ``[hidden_size]`` named ``mask_embedding``, in ``mask_embedding.safetensors`` or in the main
 weights; when present it replaces the target's embedding row at every MASK slot.
+
+Reduced draft vocabulary (optional): ``config.json`` sets ``draft_vocab_size`` N and the weights
+hold ``d2t``, N integer offsets in the EAGLE-3 convention (draft index i stands for target token
+``i + d2t[i]``; the ids ascend). The draft then scores only those N rows of the target's frozen
+LM head, which for a small target is most of the drafting cost. Proposals stay target ids, and
+verification is unchanged, so outputs are exactly the target's whatever the subset.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from models.llama import PACKED, WeightLoadError, _copy
 
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
 MASK_EMBEDDING_KEY = "mask_embedding"
+D2T_KEY = "d2t"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     mask_token_id: int | None
     num_target_layers: int | None
+    draft_vocab_size: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -82,6 +90,10 @@ class DFlashConfig:
                 ids = default_target_layer_ids(int(num_target), layers)
             rope = normalize_rope(hf)
             mask_id = dflash.get("mask_token_id", hf.get("mask_token_id"))
+            draft_vocab = hf.get("draft_vocab_size")
+            vocab = hf.get("vocab_size")
+            if draft_vocab is not None and (vocab is None or int(draft_vocab) == int(vocab)):
+                draft_vocab = None  # the full vocabulary: no subset
             return cls(
                 hidden_size=hidden,
                 intermediate_size=int(hf["intermediate_size"]),
@@ -97,6 +109,7 @@ class DFlashConfig:
                 target_layer_ids=tuple(int(i) for i in ids),
                 mask_token_id=None if mask_id is None else int(mask_id),
                 num_target_layers=None if num_target is None else int(num_target),
+                draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
             )
         except KeyError as exc:
             raise ModelConfigError(f"Draft config.json is missing the field {exc.args[0]!r}") from exc
@@ -183,10 +196,18 @@ class DFlashDraftModel(nn.Module):
         self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mask_embedding: nn.Parameter | None = None
+        self.register_buffer("d2t", None)
 
     @property
     def layer_names(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.config.num_layers)]
+
+    @property
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """Target ids of the reduced draft vocabulary (ascending), or None for the full one."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """Context features ``[N, H]`` from concatenated tapped target states ``[N, taps*H]``."""
@@ -235,6 +256,11 @@ class DFlashDraftModel(nn.Module):
             if name == MASK_EMBEDDING_KEY:
                 self.set_mask_embedding(tensor)
                 continue
+            if name == D2T_KEY:
+                self.set_d2t(tensor)
+                continue
+            if name == "t2d":  # EAGLE-3 drafts also store the inverse mask; d2t says it all
+                continue
             if "rotary_emb" in name:
                 continue
             parts = name.split(".")
@@ -252,8 +278,26 @@ class DFlashDraftModel(nn.Module):
         expected = {n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
                     if n != "mask_embedding"}
         missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
+        if cfg.draft_vocab_size is not None and self.d2t is None:
+            missing.append(D2T_KEY)
         if missing:
             raise WeightLoadError(f"Draft checkpoint is missing weights: {missing[:8]}")
+
+    def set_d2t(self, d2t: torch.Tensor) -> None:
+        """Install the reduced-vocabulary offsets (checked: integers, ascending target ids)."""
+        n = self.config.draft_vocab_size
+        if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+            raise WeightLoadError(f"d2t must be a 1-D integer tensor, got {d2t.dtype} {tuple(d2t.shape)}")
+        if n is None or d2t.shape[0] != n:
+            raise WeightLoadError(
+                f"d2t has {d2t.shape[0]} entries but config.json draft_vocab_size is {n}"
+            )
+        ids = torch.arange(n) + d2t.long().cpu()
+        if n > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise WeightLoadError("d2t must map draft indices to strictly ascending target ids")
+        if int(ids[0]) < 0:
+            raise WeightLoadError(f"d2t maps to a negative target id {int(ids[0])}")
+        self.d2t = d2t.detach().long().to(self.fc.weight.device)
 
     def set_mask_embedding(self, vector: torch.Tensor) -> None:
         if tuple(vector.shape) != (self.config.hidden_size,):

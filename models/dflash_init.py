@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.dflash import (
+    D2T_KEY,
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
     DFlashConfig,
@@ -25,9 +26,11 @@ def draft_hf_config(
     target_layer_ids: list[int] | None = None,
     mask_token_id: int | None = None,
     intermediate_size: int | None = None,
+    draft_vocab_size: int | None = None,
 ) -> dict:
     """A reference-format draft ``config.json`` sized for ``target``."""
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
+    extra = {} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size}
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -47,6 +50,7 @@ def draft_hf_config(
         "block_size": block_size,
         "num_target_layers": target.num_layers,
         "dflash_config": {"target_layer_ids": list(ids), "mask_token_id": mask_token_id},
+        **extra,
     }
 
 
@@ -56,6 +60,9 @@ def to_reference_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name == MASK_EMBEDDING_KEY:
+            continue
+        if name == D2T_KEY:
+            out[name] = tensor.detach().long().contiguous()
             continue
         t = tensor.detach().float().contiguous()
         if ".qkv_proj." in name:
@@ -74,7 +81,8 @@ def to_reference_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
 def save_draft(model: DFlashDraftModel, hf_config: dict, folder: Path, dtype=torch.bfloat16) -> None:
     """Write ``config.json``, ``model.safetensors`` and (if any) the mask embedding file."""
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.to(dtype) for k, v in to_reference_state_dict(model).items()}
+    state = {k: v if k == D2T_KEY else v.to(dtype)
+             for k, v in to_reference_state_dict(model).items()}
     save_file(state, str(folder / "model.safetensors"))
     if model.mask_embedding is not None:
         save_file({MASK_EMBEDDING_KEY: model.mask_embedding.detach().to(dtype).contiguous()},

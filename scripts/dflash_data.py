@@ -2,14 +2,16 @@
 
 Step 1 (``generate``): prompts from GSM8K train and self-instruct (minus the held-out slice
 used for evaluation; never GSM8K test) are answered by the target itself with this engine
-(greedy, chat template). Sequences go to ``sequences.jsonl`` (resumable: existing lines are
-kept and skipped).
+(greedy, chat template). Sequences go to ``sequences.jsonl`` (resumable: a prompt already
+answered there, matched by source and text, is skipped, so ``--num-gsm8k`` can grow between
+runs).
 
 Step 2 (``features``): one prefill pass per sequence captures the outputs of the candidate
 target layers, stored as float16 shards (``features-XXXX.pt``) so training epochs never rerun
-the target.
+the target. A shard is reused only if it holds exactly the sequences it should (so a shard
+left partial by an earlier, shorter ``sequences.jsonl`` is rebuilt).
 
-    python scripts/dflash_data.py generate --out DIR --num-gsm8k 2000
+    python scripts/dflash_data.py generate --out DIR --num-gsm8k 2400
     python scripts/dflash_data.py features --out DIR --layers 1 8 14 20 27
 """
 
@@ -65,12 +67,13 @@ def generate(args) -> None:
     resume anywhere."""
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "sequences.jsonl"
-    done = set()
+    done: set[tuple[str, str]] = set()
     if path.exists():
-        done = {json.loads(line).get("idx", i) for i, line in enumerate(path.open())}
+        done = {(row["source"], row["prompt"]) for row in map(json.loads, path.open())}
     rows = training_prompts(args.num_gsm8k)
     todo = [(i, r) for i, r in enumerate(rows)
-            if i not in done and (not args.sources or r["source"] in args.sources)]
+            if (r["source"], r["prompt"]) not in done
+            and (not args.sources or r["source"] in args.sources)]
     print(f"{len(rows)} prompts, {len(done)} done, {len(todo)} to generate", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
               max_model_len=args.max_model_len, max_num_seqs=args.batch)
@@ -113,11 +116,16 @@ def features(args) -> None:
     engine = llm.engine
     layers = tuple(args.layers)
     shard_size = args.shard_size
-    meta = {"layers": list(layers), "dtype": args.dtype, "shards": []}
+    meta_path = args.out / "features.json"
+    old = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    # sequences per existing shard, when it was written with the same layers
+    old_counts = dict(zip(old.get("shards", []), old.get("counts", []))) \
+        if old.get("layers") == list(layers) else {}
+    meta = {"layers": list(layers), "dtype": "float16", "shards": [], "counts": []}
     for s0 in range(0, len(seqs), shard_size):
         name = f"features-{s0 // shard_size:04d}.pt"
         chunk = seqs[s0 : s0 + shard_size]
-        if not (args.out / name).exists():
+        if old_counts.get(name) != len(chunk) or not (args.out / name).exists():
             feats, ids, lens, prompt_lens = [], [], [], []
             for row in chunk:
                 seq = row["prompt_ids"] + row["response_ids"]
@@ -130,7 +138,8 @@ def features(args) -> None:
                         "layers": list(layers)}, args.out / name)
             print(f"{name}: {len(chunk)} sequences, {sum(lens)} tokens", flush=True)
         meta["shards"].append(name)
-    (args.out / "features.json").write_text(json.dumps(meta, indent=2))
+        meta["counts"].append(len(chunk))
+    meta_path.write_text(json.dumps(meta, indent=2))
 
 
 def capture(engine, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=default_out())
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--num-gsm8k", type=int, default=2000)
+    p.add_argument("--num-gsm8k", type=int, default=2400)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=48)

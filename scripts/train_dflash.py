@@ -144,7 +144,28 @@ def load_sequences(data: Path, taps: list[int]) -> list[Sequence]:
 @dataclass
 class Frozen:
     embed: torch.Tensor  # [V, H]
-    head: torch.Tensor  # [V, H] (bfloat16 in real runs: twice as fast, as served)
+    head: torch.Tensor  # [V or N, H] (bfloat16 in real runs: twice as fast, as served)
+    vocab_ids: torch.Tensor | None = None  # [N] target ids of a reduced draft vocabulary
+    t2d: torch.Tensor | None = None  # [V] draft index of each target id, -1 if absent
+
+    def restrict(self, vocab_ids: torch.Tensor) -> Frozen:
+        """The same frozen weights with the head cut to a reduced draft vocabulary."""
+        t2d = torch.full((self.embed.shape[0],), -1, dtype=torch.long)
+        t2d[vocab_ids] = torch.arange(vocab_ids.shape[0])
+        return Frozen(self.embed, self.head.index_select(0, vocab_ids).contiguous(), vocab_ids, t2d)
+
+
+def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` target ids the draft will score: every response token by frequency, then
+    the lowest unused ids (BPE ids roughly follow merge order, i.e. corpus frequency)."""
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"--draft-vocab must be in [1, {vocab_size}], got {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in seqs:
+        counts += torch.bincount(seq.ids[seq.prompt_len :], minlength=vocab_size)
+    # stable: equal counts (the unseen ids among them) keep ascending id order
+    by_freq = torch.argsort(-counts, stable=True)
+    return torch.sort(by_freq[:size]).values
 
 
 def sequence_loss(
@@ -167,14 +188,23 @@ def sequence_loss(
     valid = lab != -100
     # the frozen head dominates the cost; it may be stored in bfloat16 (see load_frozen)
     logits = (h[valid].to(frozen.head.dtype) @ frozen.head.t()).float()
-    ce = F.cross_entropy(logits, lab[valid], reduction="none")
+    target = lab[valid]
     w = position_weights(b, gamma)[1:].expand_as(lab)[valid]
-    loss = (w * ce).sum() / w.sum()
+    if frozen.vocab_ids is not None:
+        # a label outside the draft vocabulary cannot be predicted: no loss, counted a miss
+        target = frozen.t2d[target]
+        w = w * (target >= 0)
+        target = target.clamp_min(0)
+    ce = F.cross_entropy(logits, target, reduction="none")
+    loss = (w * ce).sum() / w.sum().clamp_min(1e-6)
     correct = torch.zeros(b - 1)
     counts = torch.zeros(b - 1)
     slot = torch.arange(1, b).expand_as(lab)[valid] - 1
     counts.index_add_(0, slot, torch.ones_like(ce))
-    right = logits.argmax(-1) == lab[valid]
+    best = logits.argmax(-1)
+    if frozen.vocab_ids is not None:
+        best = frozen.vocab_ids[best]
+    right = best == lab[valid]
     correct.index_add_(0, slot, right.float())
     hits = torch.zeros(lab.shape, dtype=torch.long)
     hits[valid] = right.long()
@@ -219,9 +249,11 @@ def evaluate(draft, frozen, seqs, anchors_per_seq, gamma, seed=1234) -> dict:
 
 
 def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dict]:
+    vocab = frozen.vocab_ids
     hf = draft_hf_config(target_cfg, num_layers=args.layers, block_size=args.block_size,
                          target_layer_ids=args.taps, mask_token_id=None,
-                         intermediate_size=args.ffn)
+                         intermediate_size=args.ffn,
+                         draft_vocab_size=None if vocab is None else int(vocab.shape[0]))
     draft = DFlashDraftModel(DFlashConfig.from_hf(hf), max_positions=args.max_positions)
     torch.manual_seed(args.seed)
     with torch.no_grad():
@@ -231,6 +263,8 @@ def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dic
             else:
                 torch.nn.init.normal_(p, std=0.02)
     draft.mask_embedding = torch.nn.Parameter(frozen.embed.mean(0).clone())
+    if vocab is not None:
+        draft.set_d2t(vocab - torch.arange(vocab.shape[0]))
     return draft, hf
 
 
@@ -259,18 +293,23 @@ def train(args) -> dict:
     n_val = min(args.val_sequences, len(seqs) // 10)
     val = [seqs[i] for i in order[:n_val]]
     train_seqs = [seqs[i] for i in order[n_val:]]
+    if args.draft_vocab:
+        frozen = frozen.restrict(build_draft_vocab(train_seqs, args.draft_vocab,
+                                                   frozen.embed.shape[0]))
     draft, hf = build_draft(args, target_cfg, frozen)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = len(train_seqs) // args.batch
     total = steps_per_epoch * args.epochs
     step = 0
+    best = 0.0  # best validation simulated acceptance so far; out/draft holds that draft
     ckpt = args.out / "train_state.pt"
     if args.resume and ckpt.exists():
         state = torch.load(ckpt)
         draft.load_state_dict(state["model"])  # includes the trained mask embedding
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
+        best = state.get("best", 0.0)
         rng.setstate(state["rng"])
         print(f"resumed at step {step}/{total}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +317,21 @@ def train(args) -> dict:
 
     bar = tqdm(total=total, initial=step, dynamic_ncols=True)
     start = time.time()
-    history = []
+
+    def validate() -> dict:
+        """Score the validation sequences; keep the draft in out/draft if it is the best yet."""
+        nonlocal best
+        metrics = evaluate(draft, frozen, val, args.anchors, args.gamma)
+        metrics["step"] = step
+        with (args.out / "history.jsonl").open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if metrics["sim_accept_len"] > best:
+            best = metrics["sim_accept_len"]
+            save_draft(draft, hf, args.out / "draft", dtype=torch.bfloat16)
+        bar.write(f"step {step}: val loss {metrics['loss']:.3f}, simulated acceptance "
+                  f"{metrics['sim_accept_len']:.3f} (best {best:.3f})")
+        return metrics
+
     while step < total:
         epoch_pos = step % steps_per_epoch
         if epoch_pos == 0:
@@ -297,7 +350,7 @@ def train(args) -> dict:
                 continue
             loss, c, n, _ = sequence_loss(draft, frozen, seq, anchors, args.gamma)
             (loss / len(batch)).backward()
-            total_loss += float(loss) / len(batch)
+            total_loss += float(loss.detach()) / len(batch)
             correct += c
             counts += n
         torch.nn.utils.clip_grad_norm_(params, args.clip)
@@ -306,16 +359,16 @@ def train(args) -> dict:
         acc = (correct / counts.clamp_min(1)).tolist()
         bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in acc[:4]))
         bar.update(1)
+        if args.eval_every and step % args.eval_every == 0 and step < total:
+            validate()
         if step % args.save_every == 0 or step == total:
             torch.save({"model": draft.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                        "rng": rng.getstate()}, ckpt)
+                        "rng": rng.getstate(), "best": best}, ckpt)
     bar.close()
     elapsed = time.time() - start
-    metrics = evaluate(draft, frozen, val, args.anchors, args.gamma)
-    metrics.update({"train_seconds": elapsed, "steps": total, "train_sequences": len(train_seqs),
-                    "val_sequences": len(val)})
-    history.append(metrics)
-    save_draft(draft, hf, args.out / "draft", dtype=torch.bfloat16)
+    metrics = validate()
+    metrics.update({"best_sim_accept_len": best, "train_seconds": elapsed, "steps": total,
+                    "train_sequences": len(train_seqs), "val_sequences": len(val)})
     (args.out / "metrics.json").write_text(json.dumps({"args": _jsonable(vars(args)), **metrics}, indent=2))
     print(json.dumps(metrics, indent=2), flush=True)
     return metrics
@@ -335,6 +388,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--ffn", type=int, default=1536)
     p.add_argument("--gamma", type=float, default=4.0)
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="score only the N most frequent response tokens (0: the full vocabulary)")
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
@@ -343,6 +398,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--val-sequences", type=int, default=64)
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="validate every N steps (0: only at the end); out/draft keeps the best")
     p.add_argument("--max-positions", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-sequences", type=int, default=0, help="use only the first N (sweeps)")

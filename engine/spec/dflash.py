@@ -46,6 +46,11 @@ class DFlashProposer:
         self.layer_names = [f"draft.{name}" for name in draft.layer_names]
         self._kv: list[LayerKV] | None = None
         self._backend: AttentionBackend | None = None
+        # The rows of the target's LM head the draft scores (all of them, or its reduced
+        # vocabulary) and their target ids; selected once here, not per step.
+        self._vocab_ids = draft.draft_token_ids
+        head = target.lm_head_weight
+        self._head = head if self._vocab_ids is None else head.index_select(0, self._vocab_ids)
 
     @classmethod
     def create(
@@ -77,6 +82,7 @@ class DFlashProposer:
             draft = DFlashDraftModel(dcfg, max_positions)
         draft = draft.to(dtype=config.model.dtype).eval().requires_grad_(False)
         draft.load_weights(iter_safetensors(path))
+        validate_draft_vocab(draft, target)
         mask_file = path / MASK_EMBEDDING_FILE
         if mask_file.is_file():
             from safetensors.torch import load_file
@@ -153,8 +159,24 @@ class DFlashProposer:
         meta = self._backend.build_metadata(batch, self.device)
         hidden = self.draft(embeds, torch.cat(block_pos).to(self.device), meta, self._kv)
         hidden = hidden.view(n, k + 1, -1)[:, 1:].reshape(n * k, -1)
-        tokens = self.target.compute_logits(hidden).argmax(dim=-1).view(n, k).tolist()
-        return dict(zip(proposing, tokens))
+        best = torch.nn.functional.linear(hidden, self._head).argmax(dim=-1)
+        if self._vocab_ids is not None:
+            best = self._vocab_ids.index_select(0, best)
+        return dict(zip(proposing, best.view(n, k).tolist()))
+
+
+def validate_draft_vocab(draft: DFlashDraftModel, target: LlamaForCausalLM) -> None:
+    ids = draft.draft_token_ids
+    vocab = target.config.vocab_size
+    if ids is not None and int(ids[-1]) >= vocab:
+        raise ConfigError(
+            f"Draft d2t maps to target id {int(ids[-1])}, outside the target's vocabulary "
+            f"[0, {vocab - 1}]",
+            "speculative_config.model",
+        )
+    if ids is not None and ids.shape[0] > vocab:
+        raise ConfigError(f"Draft draft_vocab_size {ids.shape[0]} exceeds the target's {vocab}",
+                          "speculative_config.model")
 
 
 def _has_mask_embedding(path: Path) -> bool:

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from .script_loader import load_script
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-train = _load("train_dflash")
+train = load_script("train_dflash")
 
 
 def loop_mask(seq_len: int, anchors: list[int], block: int) -> torch.Tensor:
@@ -67,17 +57,22 @@ def test_anchors_stay_in_the_response():
     assert min(anchors) >= 19 and max(anchors) <= 38
 
 
-def _tiny_setup(tmp_path):
-    from models.dflash import DFlashConfig, DFlashDraftModel
-    from models.dflash_init import draft_hf_config
+def _tiny_target_config():
     from models.llama import DecoderConfig
 
-    target = DecoderConfig(
+    return DecoderConfig(
         architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
         rope_theta=10000.0, rope_scaling=None, max_position_embeddings=256,
         tie_word_embeddings=True, attention_bias=False, qk_norm=False,
     )
+
+
+def _tiny_setup(tmp_path):
+    from models.dflash import DFlashConfig, DFlashDraftModel
+    from models.dflash_init import draft_hf_config
+
+    target = _tiny_target_config()
     hf = draft_hf_config(target, num_layers=1, block_size=4, target_layer_ids=[1, 2])
     torch.manual_seed(0)
     draft = DFlashDraftModel(DFlashConfig.from_hf(hf), max_positions=256)
@@ -150,3 +145,114 @@ def test_dense_training_forward_equals_paged_draft_forward(tmp_path):
 def test_simulated_acceptance_counts_the_correct_prefix_plus_bonus():
     hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
     assert train.simulated_acceptance(hits) == (3 + 1 + 5) / 3
+
+
+def test_draft_vocab_takes_frequent_response_tokens_then_lowest_ids():
+    seqs = [train.Sequence(ids=torch.tensor([50, 51, 9, 9, 9, 7, 7, 40]), feats=torch.zeros(8, 2),
+                           prompt_len=2)]
+    # response 9 9 9 7 7 40: by frequency 9, 7, 40; the prompt's 50/51 do not count
+    assert train.build_draft_vocab(seqs, 2, 64).tolist() == [7, 9]
+    assert train.build_draft_vocab(seqs, 3, 64).tolist() == [7, 9, 40]
+    assert train.build_draft_vocab(seqs, 5, 64).tolist() == [0, 1, 7, 9, 40]
+    with pytest.raises(ValueError, match="draft-vocab"):
+        train.build_draft_vocab(seqs, 65, 64)
+
+
+def test_reduced_vocab_training_learns_and_counts_outside_labels_as_misses(tmp_path):
+    draft, frozen, seqs = _tiny_setup(tmp_path)
+    # the sequences use ids 3..9; leave out 9 so one label in seven can never be predicted
+    vocab = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 20])
+    small = frozen.restrict(vocab)
+    assert small.head.shape == (10, 32) and small.t2d[20] == 9 and small.t2d[9] == -1
+    rng = random.Random(0)
+    anchors = [train.sample_anchors(s.prompt_len, s.ids.shape[0], 6, rng) for s in seqs]
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+
+    def run(step: bool):
+        total, correct, labels_9, hits_9 = 0.0, 0, 0, 0
+        for s, a in zip(seqs, anchors):
+            loss, c, n, hits = train.sequence_loss(draft, small, s, a, 3.0)
+            if step:
+                loss.backward()
+            total += float(loss.detach())
+            lab = train.block_labels(s.ids, a, draft.config.block_size)[:, 1:]
+            labels_9 += int((lab == 9).sum())
+            hits_9 += int(hits[lab == 9].sum())
+        return total, labels_9, hits_9
+
+    before, labels_9, _ = run(False)
+    for _ in range(30):
+        opt.zero_grad()
+        run(True)
+        opt.step()
+    after, _, hits_9 = run(False)
+    assert torch.isfinite(torch.tensor(after)) and after < 0.5 * before
+    assert labels_9 > 0 and hits_9 == 0
+
+
+def test_a_reduced_vocab_draft_saves_and_loads_its_d2t(tmp_path):
+    from models.dflash import DFlashConfig, DFlashDraftModel
+    from models.dflash_init import save_draft
+    from models.hf_folder import iter_safetensors, load_hf_config
+
+    draft, frozen, _ = _tiny_setup(tmp_path)
+    vocab = torch.tensor([2, 3, 5, 8, 13, 21])
+    hf = draft_config_with_vocab(len(vocab))
+    draft.config = DFlashConfig.from_hf(hf)
+    draft.set_d2t(vocab - torch.arange(6))
+    save_draft(draft, hf, tmp_path / "out")
+    back = DFlashDraftModel(DFlashConfig.from_hf(load_hf_config(tmp_path / "out")), 64)
+    back.load_weights(iter_safetensors(tmp_path / "out"))
+    assert back.draft_token_ids.tolist() == vocab.tolist()
+
+
+def draft_config_with_vocab(n):
+    from models.dflash_init import draft_hf_config
+
+    target = _tiny_target_config()
+    return draft_hf_config(target, num_layers=1, block_size=4, target_layer_ids=[1, 2],
+                           draft_vocab_size=n)
+
+
+def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
+    """``train()`` on a tiny stored dataset: writes a loadable draft with its d2t, the
+    validation history, and a resumed run continues from its checkpoint instead of restarting."""
+    from models.dflash import DFlashConfig, DFlashDraftModel
+    from models.hf_folder import iter_safetensors, load_hf_config
+    from tests.spec.helpers import save_target
+
+    target = save_target(tmp_path / "target", "llama", vocab=64, hidden=32, layers=4, seed=3)
+    data = tmp_path / "data"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    ids, lens, prompts = [], [], []
+    for i in range(24):
+        n = 30 + i % 5
+        ids.append((torch.arange(n) * (1 + i % 3)) % 17 + 3)
+        lens.append(n)
+        prompts.append(6)
+    all_ids = torch.cat(ids)
+    feats = torch.randn(all_ids.shape[0], 3 * 32, generator=gen).to(torch.bfloat16)
+    torch.save({"features": feats, "ids": all_ids, "lengths": torch.tensor(lens),
+                "prompt_lengths": torch.tensor(prompts)}, data / "features-0000.pt")
+    (data / "features.json").write_text(
+        '{"layers": [0, 1, 2], "dtype": "bfloat16", "shards": ["features-0000.pt"]}')
+    out = tmp_path / "run"
+    argv = ["--data", str(data), "--out", str(out), "--model", str(target), "--layers", "1",
+            "--taps", "1", "2", "--block-size", "4", "--ffn", "48", "--anchors", "4",
+            "--batch", "4", "--val-sequences", "4", "--draft-vocab", "24", "--eval-every", "2",
+            "--save-every", "1", "--max-positions", "64"]
+    first = train.train(train.parser().parse_args(argv + ["--epochs", "1"]))
+    assert first["steps"] == 5  # 20 training sequences / batch 4
+    resumed = train.train(train.parser().parse_args(argv + ["--epochs", "2", "--resume"]))
+    assert resumed["steps"] == 10
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    # first run: steps 2, 4 and the end (5); the resumed run picks up at 5: 6, 8 and 10
+    assert [h["step"] for h in history] == [2, 4, 5, 6, 8, 10]
+    hf = load_hf_config(out / "draft")
+    assert hf["draft_vocab_size"] == 24
+    draft = DFlashDraftModel(DFlashConfig.from_hf(hf), 64)
+    draft.load_weights(iter_safetensors(out / "draft"))
+    vocab = draft.draft_token_ids.tolist()
+    assert len(vocab) == 24 and set(range(3, 20)) <= set(vocab)  # every response token is in
+    assert resumed["best_sim_accept_len"] == max(h["sim_accept_len"] for h in history)

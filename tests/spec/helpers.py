@@ -88,6 +88,17 @@ def save_draft(folder: Path, *, seed: int = 1, randomize_norms: bool = False,
     return ref
 
 
+def add_draft_vocab(folder: Path, target_ids: Sequence[int]) -> None:
+    """Give a saved draft a reduced vocabulary: ``draft_vocab_size`` and the ``d2t`` offsets."""
+    from safetensors.torch import load_file, save_file
+
+    ids = torch.tensor(list(target_ids), dtype=torch.long)
+    weights = load_file(str(Path(folder) / "model.safetensors"))
+    weights["d2t"] = ids - torch.arange(ids.shape[0])
+    save_file(weights, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    edit_json(Path(folder) / "config.json", draft_vocab_size=len(ids))
+
+
 def edit_json(path: Path, **changes) -> None:
     data = json.loads(path.read_text())
     data.update(changes)
@@ -163,7 +174,7 @@ class OracleProposer:
     def propose(self, items, captured) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for it in items:
-            if not it.sampled:
+            if not it.sampled or not it.wants_draft:
                 continue
             req = it.item.request
             done = len(req.output_token_ids) + len(it.sampled)
