@@ -62,7 +62,8 @@ bench-peers:
 # Train the default model's DFlash draft (resumable: every step skips what is already done).
 DRAFT_DATA ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN  ?= $(HOME)/.cache/specserve/dflash-run
-TRAIN_ARGS ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --epochs 6
+TRAIN_ARGS ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
+              --batch 8 --epochs 10 --eval-every 400 --val-sequences 60
 train-draft: setup
 	$(PY) scripts/dflash_data.py generate --out $(DRAFT_DATA)
 	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA)

@@ -30,9 +30,17 @@ def test_shipped_draft_is_exact_and_accepts(prompts):
     params = SamplingParams(max_tokens=96, temperature=0)
     common = dict(model="smollm2-135m-instruct", dtype="float32", max_model_len=1024,
                   kv_cache_memory="128MiB")
-    spec = LLM(**common)  # the default speculative config: the shipped draft
-    assert spec.engine.proposer is not None
-    assert spec.engine.config.speculative.method == "dflash"
+    default = LLM(**common).engine  # the default speculative config: the shipped draft
+    assert default.config.speculative.method == "dflash"
+    assert default.config.speculative.model == str(default_draft_for("smollm2-135m-instruct"))
+    proposer = default.proposer
+    assert proposer.num_speculative_tokens == 7
+    # it scores a reduced vocabulary: a slice of the target's LM head, not all 49152 rows
+    assert proposer.draft.draft_token_ids is not None
+    assert proposer._head.shape[0] == proposer.draft.config.draft_vocab_size < 49152
+    # acceptance of the draft itself, without the default's gates (they skip weak drafts)
+    spec = LLM(speculative_config={"method": "dflash", "model": default.config.speculative.model},
+               **common)
     plain = LLM(speculative_config="none", **common)
     assert plain.engine.proposer is None
     for prompt in prompts:  # one at a time: single-stream decoding, as served
