@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -462,7 +463,7 @@ async def send_request(client: Any, cfg: BenchConfig, req: SampleRequest, index:
     import httpx
 
     rec: dict[str, Any] = {
-        "index": index, "request_id": f"bench-{run_id}-{index}", "success": False, "error": None,
+        "index": index, "request_id": request_uuid(run_id, index), "success": False, "error": None,
         "status": None, "prompt_len": req.prompt_len, "prompt_tokens": req.prompt_len,
         "max_tokens": req.output_len, "output_tokens": None, "output_tokens_source": None,
         "ttft": None, "tpot": None, "e2el": None, "itl": [], "num_output_events": 0,
@@ -540,11 +541,18 @@ async def send_request(client: Any, cfg: BenchConfig, req: SampleRequest, index:
     return rec
 
 
+def request_uuid(run_id: str, index: int) -> str:
+    """The ``x-request-id`` of request ``index``: a UUID4-shaped id derived from the run, since
+    some servers (llama-cpp-python's) answer 400 to any other request id format."""
+    digest = hashlib.sha256(f"{run_id}/{index}".encode()).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=4))
+
+
 async def _timed(coro: Any, timeout: float, index: int, run_id: str) -> dict[str, Any]:
     try:
         return await asyncio.wait_for(coro, timeout)
     except asyncio.TimeoutError:
-        return {"index": index, "request_id": f"bench-{run_id}-{index}", "success": False,
+        return {"index": index, "request_id": request_uuid(run_id, index), "success": False,
                 "error": f"timeout: no complete response within {timeout:g} s", "status": None,
                 "prompt_len": None, "prompt_tokens": None, "max_tokens": None,
                 "output_tokens": None, "output_tokens_source": None, "ttft": None, "tpot": None,

