@@ -102,10 +102,10 @@ class EngineArgs:
             draft = default_draft_for(self.model)
             if draft is None:
                 return None
-            # Measured (docs/performance.md, GSM8K, offline): drafting with the shipped draft
-            # gave +12% at 8 requests, +9% at 16 and +2% (noise) at 32, so it drafts while at
-            # most 16 requests run; larger batches decode plainly.
-            return SpeculativeConfig(method="dflash", model=str(draft), disable_by_batch_size=16)
+            # Measured (docs/performance.md): drafting with the shipped draft gained at 4 and 8
+            # concurrent requests in every run (+19-26% over HTTP at 4, +12-16% offline at 8)
+            # but lost 9-12% over HTTP at 16, so it drafts while at most 8 requests run.
+            return SpeculativeConfig(method="dflash", model=str(draft), disable_by_batch_size=8)
         return SpeculativeConfig.parse(self.speculative_config)
 
 
