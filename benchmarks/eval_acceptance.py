@@ -6,9 +6,9 @@ single stream and for C concurrent requests, with and without the draft, in one 
 
     python benchmarks/eval_acceptance.py --draft models/drafts/smollm2-135m-instruct-dflash
 
-``--min-acceptance-length X`` adds the acceptance gate (see ``engine/spec/gate.py``) to the
-speculative engine, as the default serving config does; acceptance lengths are then measured
-over the drafts the gate let through, so report them from a run without it.
+``--min-acceptance-length X`` adds the opt-in acceptance gate (see ``engine/spec/gate.py``) to
+the speculative engine; acceptance lengths are then measured over the drafts the gate let
+through, so report them from a run without it.
 """
 
 from __future__ import annotations
@@ -93,18 +93,17 @@ def main(argv: list[str] | None = None) -> None:
     report = {"draft": str(draft), "num_speculative_tokens": with_spec.engine.proposer.num_speculative_tokens,
               "min_acceptance_length": args.min_acceptance_length, "sets": {}}
     for name, prompts in sets.items():
-        acc = {"acceptance_length": None, "accepted_per_pos": []}
-        if not args.skip_acceptance:
-            acc = run(with_spec, prompts, 16, args.max_tokens)  # acceptance over the whole set
         speed = {}
         subset = prompts[: args.speed_prompts]
         for label, llm in (("dflash", with_spec), ("no-spec", plain)):
             single = run(llm, subset[: max(2, args.speed_prompts // 4)], 1, args.max_tokens)
             batch = run(llm, subset, args.concurrency, args.max_tokens)
-            if label == "dflash" and args.skip_acceptance:  # what the timed single stream accepted
-                acc = single
+            if label == "dflash":
+                timed_single = single
             speed[label] = {"single_tok_s": round(single["tok_s"], 1),
                             f"c{args.concurrency}_tok_s": round(batch["tok_s"], 1)}
+        # acceptance over the whole set, or what the timed single stream accepted
+        acc = timed_single if args.skip_acceptance else run(with_spec, prompts, 16, args.max_tokens)
         report["sets"][name] = {
             "prompts": len(prompts),
             "acceptance_length": round(acc["acceptance_length"] or 1.0, 3),

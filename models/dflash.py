@@ -92,7 +92,7 @@ class DFlashConfig:
             mask_id = dflash.get("mask_token_id", hf.get("mask_token_id"))
             draft_vocab = hf.get("draft_vocab_size")
             vocab = hf.get("vocab_size")
-            if draft_vocab is not None and (vocab is None or int(draft_vocab) == int(vocab)):
+            if draft_vocab is not None and vocab is not None and int(draft_vocab) == int(vocab):
                 draft_vocab = None  # the full vocabulary: no subset
             return cls(
                 hidden_size=hidden,

@@ -71,8 +71,7 @@ def generate(args) -> None:
     if path.exists():
         done = {(row["source"], row["prompt"]) for row in map(json.loads, path.open())}
     rows = training_prompts(args.num_gsm8k)
-    todo = [(i, r) for i, r in enumerate(rows)
-            if (r["source"], r["prompt"]) not in done
+    todo = [r for r in rows if (r["source"], r["prompt"]) not in done
             and (not args.sources or r["source"] in args.sources)]
     print(f"{len(rows)} prompts, {len(done)} done, {len(todo)} to generate", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
@@ -80,26 +79,26 @@ def generate(args) -> None:
     engine, tok = llm.engine, llm.get_tokenizer()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     pending = list(reversed(todo))
-    live: dict[str, tuple[int, dict, list[int]]] = {}
+    live: dict[str, tuple[dict, list[int]]] = {}
     start, tokens, finished = time.perf_counter(), 0, 0
     with path.open("a") as f:
         while pending or live:
             while pending and len(live) < args.batch:
-                idx, row = pending.pop()
+                row = pending.pop()
                 ids = tok.encode(prompt_sets.chat(tok, [row["prompt"]])[0])
                 if len(ids) + args.max_tokens > args.max_model_len:
                     continue
                 rid = engine.new_request_id()
                 engine.add_request(rid, ids, params)
-                live[rid] = (idx, row, ids)
+                live[rid] = (row, ids)
             for out in engine.step():
                 if not out.finished:
                     continue
-                idx, row, ids = live.pop(out.request_id)
+                row, ids = live.pop(out.request_id)
                 resp = out.outputs[0].token_ids
                 tokens += len(resp)
                 finished += 1
-                f.write(json.dumps({**row, "idx": idx, "prompt_ids": ids, "response_ids": resp,
+                f.write(json.dumps({**row, "prompt_ids": ids, "response_ids": resp,
                                     "finish_reason": out.outputs[0].finish_reason}) + "\n")
                 f.flush()
                 if finished % 32 == 0:
