@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -17,9 +16,9 @@ from attention.groups import LayerKVSpec, build_groups
 from attention.layout import choose_layout
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SpeculativeConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_pool import KVPool, plan_pool
-from engine.outputs import CompletionOutput, RequestOutput, StepPlan, StepResult
+from engine.output_processor import EngineCounters, OutputProcessor
+from engine.outputs import RequestOutput, StepPlan, StepResult
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -45,13 +44,6 @@ class RequestValidationError(ValueError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting_requests``."""
-
-
-@dataclass
-class EngineCounters:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -112,8 +104,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos)
         self.generation_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
         self.spec_stats = SpecDecodingStats(self.proposer.num_speculative_tokens if self.proposer else 0)
-        self.counters = EngineCounters()
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.output = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.startup_info = {
             "model": str(mc.path),
@@ -173,17 +164,14 @@ class LLMEngine:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, prompt)
         self.scheduler.add(req)
-        if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(
-                self.tokenizer, skip_special_tokens=params.skip_special_tokens
-            )
+        self.output.add(req)
         return req
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
-        self._finish_bookkeeping(req)
+        self.output.finish(req)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -219,83 +207,18 @@ class LLMEngine:
             if not new and not req.is_finished:
                 continue
             if new:
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                    self.counters.prompt_tokens += req.num_prompt_tokens
-                req.last_token_time = now
-                self._apply_stop_strings(req, new)
+                hit = self.output.on_tokens(req, new, now)
+                if hit is not None and not req.is_finished:
+                    self.scheduler.finish(req, "stop", hit.stop)
             if req.is_finished:
-                self._finish_bookkeeping(req)
-            outputs.append(self.make_output(req, len(new or [])))
+                outputs.append(self.output.finished_output(req, len(new or [])))
+            else:
+                outputs.append(self.output.make_output(req, len(new or [])))
         return outputs
 
-    def _apply_stop_strings(self, req: Request, new: list[int]) -> None:
-        detok = self._detok.get(req.request_id)
-        if detok is None:
-            return
-        base = req.num_output_tokens - len(new)
-        stops = req.params.stop
-        for j, tok in enumerate(new):
-            delta = detok.append(tok)
-            if not stops or not delta:
-                continue
-            window = max(len(s) for s in stops) + len(delta)
-            tail_start = max(0, len(detok.text) - window)
-            hit = _find_stop(detok.text, stops, tail_start)
-            if hit is None:
-                continue
-            pos, stop = hit
-            end = pos + len(stop) if req.params.include_stop_str_in_output else pos
-            detok.text = detok.text[:end]
-            keep = base + j + 1
-            del req.output_token_ids[keep:]
-            del req.output_logprobs[keep:]
-            if req.is_finished:
-                req.finish_reason, req.stop_reason = "stop", stop
-            else:
-                self.scheduler.finish(req, "stop", stop)
-            return
-
-    def _finish_bookkeeping(self, req: Request) -> None:
-        reason = req.finish_reason or "abort"
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        self.counters.generation_tokens += req.num_output_tokens
-
-    def make_output(self, req: Request, num_new: int = 0) -> RequestOutput:
-        detok = self._detok.get(req.request_id)
-        text = ""
-        if detok is not None:
-            text = detok.text
-            if not req.is_finished and req.params.stop:
-                hold = max(len(s) for s in req.params.stop) - 1
-                text = text[: max(0, len(text) - hold)]
-        if req.is_finished:
-            self._detok.pop(req.request_id, None)
-        logprobs = list(req.output_logprobs) if req.params.logprobs is not None else None
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs else None,
-            logprobs=logprobs,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.is_finished,
-            num_new_tokens=num_new,
-            metrics={
-                "arrival_time": req.arrival_time,
-                "first_scheduled_time": req.first_scheduled_time,
-                "first_token_time": req.first_token_time,
-                "last_token_time": req.last_token_time,
-                "num_preemptions": req.num_preemptions,
-            },
-        )
+    @property
+    def counters(self) -> EngineCounters:
+        return self.output.counters
 
     # -- introspection ----------------------------------------------------------------------
     @property
@@ -320,11 +243,3 @@ def _gate(spec: SpeculativeConfig | None) -> AcceptanceGate | None:
         return None
     return AcceptanceGate(spec.min_acceptance_length)
 
-
-def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for s in stops:
-        pos = text.find(s, start)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, s)
-    return best
