@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -156,16 +157,38 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> Request:
-        max_tokens = self.validate(prompt_token_ids, params)
+        return self.add_requests([(request_id, prompt_token_ids, params, prompt)])[0]
+
+    def add_requests(
+        self, requests: Sequence[tuple[str, list[int], SamplingParams, str | None]]
+    ) -> list[Request]:
+        """Add ``(request_id, prompt_token_ids, params, prompt)`` items all or nothing: each is
+        validated once and the waiting queue is checked once for the whole batch. A batch
+        larger than the queue can ever hold is a ``RequestValidationError`` (code
+        ``queue_capacity``); one that only has to wait for room is a ``QueueFullError``."""
+        max_tokens = [self.validate(ids, params) for _, ids, params, _ in requests]
+        ids_seen = set()
+        for rid, *_ in requests:
+            if rid in ids_seen or rid in self.scheduler.requests:
+                raise ValueError(f"Request id {rid!r} is already in use")
+            ids_seen.add(rid)
         limit = self.config.scheduler.max_waiting_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
+        if limit is not None and len(requests) > limit:
+            raise RequestValidationError(
+                f"This request needs {len(requests)} sequences (prompts x n) but the waiting "
+                f"queue holds at most {limit} (--max-waiting-requests); send fewer prompts or "
+                "a smaller n", None, "queue_capacity")
+        if limit is not None and self.num_waiting + len(requests) > limit:
             raise QueueFullError(f"The waiting queue is full ({limit} requests); retry later")
-        if params.max_tokens is None:
-            params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
-        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, prompt)
-        self.scheduler.add(req)
-        self.output.add(req)
-        return req
+        added = []
+        for (rid, ids, params, prompt), max_new in zip(requests, max_tokens):
+            if params.max_tokens is None:
+                params = SamplingParams(**{**params.__dict__, "max_tokens": max_new})
+            req = Request(rid, list(ids), params, self.eos_token_ids, prompt)
+            self.scheduler.add(req)
+            self.output.add(req)
+            added.append(req)
+        return added
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)

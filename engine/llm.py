@@ -49,17 +49,16 @@ class LLM:
             )
         engine = self.engine
         tokenized = [self._tokenize(prompt) for prompt in prompts]
-        for (_, ids), params in zip(tokenized, params_list):
-            engine.validate(ids, params)  # all or nothing: reject before queueing any
+        batch: list[tuple[str, list[int], SamplingParams, str | None]] = []
         order: list[tuple[str, list[str]]] = []
         for (text, ids), params in zip(tokenized, params_list):
             sub_ids = []
-            for i in range(params.n):
+            for sub in params.split():
                 rid = engine.new_request_id()
-                sub = params if params.n == 1 else _child_params(params, i)
-                engine.add_request(rid, ids, sub, prompt=text)
+                batch.append((rid, ids, sub, text))
                 sub_ids.append(rid)
             order.append((sub_ids[0], sub_ids))
+        engine.add_requests(batch)  # all or nothing: an invalid prompt queues none
         finished: dict[str, RequestOutput] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -92,7 +91,3 @@ class LLM:
     def get_spec_decoding_stats(self) -> SpecDecodingStats:
         return self.engine.spec_stats
 
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    return SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})

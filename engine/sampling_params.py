@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+
+    def split(self) -> list[SamplingParams]:
+        """One set of params per sample (``n`` of them, each with ``n=1``); a seeded request's
+        sample ``i`` uses ``seed + i``, so samples differ yet stay reproducible."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
