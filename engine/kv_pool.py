@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.dtypes import dtype_name
 from attention.groups import GroupSpec
 from attention.kv import LayerKV
 
@@ -77,10 +76,6 @@ class KVPool:
 
     def layers(self, names: Sequence[str]) -> list[LayerKV]:
         return [self._layers[n] for n in names]
-
-    def describe(self) -> str:
-        parts = [f"{g.name}: {len(g.layers)} layers {dtype_name(g.dtype)}" for g in self.groups.values()]
-        return f"layout {self.layout}, {self.num_blocks} blocks ({'; '.join(parts)})"
 
 
 def _physical_shape(group: GroupSpec, num_blocks: int, layout: str) -> tuple[int, ...]:

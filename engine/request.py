@@ -60,10 +60,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         all_tokens = self.prompt_token_ids + self.output_token_ids
         return all_tokens[start:end]

@@ -25,13 +25,6 @@ class SpecDecodingStats:
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
 
-    def merge(self, other: SpecDecodingStats) -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        for pos, count in enumerate(other.num_accepted_tokens_per_pos):
-            self.num_accepted_tokens_per_pos[pos] += count
-
     @property
     def mean_acceptance_length(self) -> float:
         """1 + accepted / drafts (the bonus token included), 1.0 before any draft."""

@@ -65,10 +65,11 @@ class ScriptedRunner:
             assert len(req.block_table) * self.block_size >= need, (
                 f"{rid}: table of {len(req.block_table)} blocks for {need} slots"
             )
+            context = req.tokens(0, start)
             for p in range(start):  # context must be intact
                 got = self.cache.get(self.slot(req, p))
-                assert got == (rid, p, req.token_at(p)), (
-                    f"{rid}: position {p} holds {got}, expected {(rid, p, req.token_at(p))}"
+                assert got == (rid, p, context[p]), (
+                    f"{rid}: position {p} holds {got}, expected {(rid, p, context[p])}"
                 )
             tokens = req.tokens(start, start + known) + spec
             for j, tok in enumerate(tokens):
