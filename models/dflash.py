@@ -32,9 +32,10 @@ from torch import nn
 
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV, write_kv
-from models.hf_folder import ModelConfigError, normalize_rope
-from models.layers import RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary
-from models.llama import PACKED, WeightLoadError, _copy
+from models.hf_folder import ModelConfigError
+from models.layers import RMSNorm, RotaryEmbedding
+from models.llama import PACKED, DecoderLayer, LayerSpec, WeightLoadError, _copy
+from models.loader import config_errors, layer_fields
 
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
 MASK_EMBEDDING_KEY = "mask_embedding"
@@ -67,6 +68,13 @@ class DFlashConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer(self) -> LayerSpec:
+        """Qwen3-style layers: q/k RMSNorm; ``attention_bias`` puts a bias on every projection."""
+        return LayerSpec(self.hidden_size, self.intermediate_size, self.num_heads,
+                         self.num_kv_heads, self.head_dim, self.rms_norm_eps,
+                         qkv_bias=self.attention_bias, o_bias=self.attention_bias, qk_norm=True)
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DFlashConfig:
         archs = hf.get("architectures") or []
@@ -76,43 +84,36 @@ class DFlashConfig:
             )
         dflash = hf.get("dflash_config") or {}
         _reject_unsupported(hf, dflash)
-        try:
-            layers = int(hf["num_hidden_layers"])
-            hidden = int(hf["hidden_size"])
-            heads = int(hf["num_attention_heads"])
-            num_target = hf.get("num_target_layers")
-            ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
-            if ids is None:
-                if num_target is None:
-                    raise ModelConfigError(
-                        "Draft config needs dflash_config.target_layer_ids or num_target_layers"
-                    )
-                ids = default_target_layer_ids(int(num_target), layers)
-            rope = normalize_rope(hf)
-            mask_id = dflash.get("mask_token_id", hf.get("mask_token_id"))
-            draft_vocab = hf.get("draft_vocab_size")
-            vocab = hf.get("vocab_size")
-            if draft_vocab is not None and vocab is not None and int(draft_vocab) == int(vocab):
-                draft_vocab = None  # the full vocabulary: no subset
-            return cls(
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                rope_theta=rope["rope_theta"],
-                rope_scaling=rope["rope_scaling"],
-                attention_bias=bool(hf.get("attention_bias", False)),
-                block_size=int(dflash.get("block_size", hf.get("block_size", 16))),
-                target_layer_ids=tuple(int(i) for i in ids),
-                mask_token_id=None if mask_id is None else int(mask_id),
-                num_target_layers=None if num_target is None else int(num_target),
-                draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
+        with config_errors("Draft config.json"):
+            return cls(**draft_fields(hf))
+
+
+def draft_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a DFlash-family draft ``config.json`` (call inside ``config_errors``)."""
+    dflash = hf.get("dflash_config") or {}
+    fields = layer_fields(hf)
+    num_target = hf.get("num_target_layers")
+    ids = dflash.get("target_layer_ids", hf.get("target_layer_ids"))
+    if ids is None:
+        if num_target is None:
+            raise ModelConfigError(
+                "Draft config needs dflash_config.target_layer_ids or num_target_layers"
             )
-        except KeyError as exc:
-            raise ModelConfigError(f"Draft config.json is missing the field {exc.args[0]!r}") from exc
+        ids = default_target_layer_ids(int(num_target), fields["num_layers"])
+    mask_id = dflash.get("mask_token_id", hf.get("mask_token_id"))
+    draft_vocab = hf.get("draft_vocab_size")
+    vocab = hf.get("vocab_size")
+    if draft_vocab is not None and vocab is not None and int(draft_vocab) == int(vocab):
+        draft_vocab = None  # the full vocabulary: no subset
+    return {
+        **fields,
+        "attention_bias": bool(hf.get("attention_bias", False)),
+        "block_size": int(dflash.get("block_size", hf.get("block_size", 16))),
+        "target_layer_ids": tuple(int(i) for i in ids),
+        "mask_token_id": None if mask_id is None else int(mask_id),
+        "num_target_layers": None if num_target is None else int(num_target),
+        "draft_vocab_size": None if draft_vocab is None else int(draft_vocab),
+    }
 
 
 def _reject_unsupported(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
@@ -137,60 +138,12 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
 
 
-class DraftAttention(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        bias = cfg.attention_bias
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim**-0.5
-
-    def context_kv(self, ctx: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of fused context features ``[N, H]`` (k_norm and RoPE applied to K)."""
-        n = ctx.shape[0]
-        w = self.qkv_proj.weight[self.q_size :]
-        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
-        k, v = torch.nn.functional.linear(ctx, w, b).split(self.kv_size, dim=-1)
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        return apply_rotary(k, *rope), v.view(n, self.num_kv_heads, self.head_dim)
-
-    def forward(
-        self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = meta.attend(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, cfg: DFlashConfig) -> None:
-        super().__init__()
-        self.self_attn = DraftAttention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
-    ) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 class DFlashDraftModel(nn.Module):
     def __init__(self, cfg: DFlashConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         n_taps = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -226,7 +179,7 @@ class DFlashDraftModel(nn.Module):
         ctx = self.fuse(target_hidden)
         rope = self.rotary.lookup(positions, ctx.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            k, v = layer.self_attn.context_kv(ctx, rope)
+            k, v = layer.self_attn.kv(rope, ctx)
             write_kv(kv, k, v, slot_mapping)
 
     def forward(

@@ -48,6 +48,37 @@ class DecoderConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer(self) -> LayerSpec:
+        return LayerSpec(self.hidden_size, self.intermediate_size, self.num_heads,
+                         self.num_kv_heads, self.head_dim, self.rms_norm_eps,
+                         qkv_bias=self.attention_bias, o_bias=False, qk_norm=self.qk_norm)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One pre-norm decoder layer, as the target and the DFlash drafts build it: Llama (no
+    q/k norm), Qwen2 (q/k/v bias) and Qwen3 / DFlash (q/k RMSNorm; the drafts' ``o_proj``
+    carries a bias when ``attention_bias`` is set)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
 
 # Hugging Face parameter name -> (our fused parameter, shard index)
 PACKED = {
@@ -60,19 +91,18 @@ PACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, spec: LayerSpec) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.scale = spec.head_dim**-0.5
 
-    def forward(
-        self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
-    ) -> torch.Tensor:
+    def qkv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q ``[N, Hq, D]``, K and V ``[N, Hkv, D]`` of ``x`` (q/k norm and RoPE applied)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -80,18 +110,34 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return apply_rotary(q, *rope), apply_rotary(k, *rope), v
+
+    def kv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V alone (the DFlash drafts' context K/V of fused target features)."""
+        n = x.shape[0]
+        w = self.qkv_proj.weight[self.q_size :]
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
+        k, v = F.linear(x, w, b).split(self.kv_size, dim=-1)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rotary(k, *rope), v.view(n, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(rope, x)
         out = meta.attend(q, k, v, kv, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, spec: LayerSpec) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(
         self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
@@ -108,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg.layer) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None
         if not cfg.tie_word_embeddings:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,36 +37,51 @@ def architecture_of(hf: dict[str, Any]) -> str:
     return arch
 
 
+@contextmanager
+def config_errors(what: str = "config.json") -> Iterator[None]:
+    """Report a missing or malformed field of ``what`` as a ``ModelConfigError``."""
+    try:
+        yield
+    except ModelConfigError:
+        raise
+    except KeyError as exc:
+        raise ModelConfigError(f"{what} is missing the field {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelConfigError(f"{what} has a malformed field: {exc}") from exc
+
+
+def layer_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The decoder fields a Llama-family ``config.json`` (target or DFlash draft) shares:
+    sizes, heads, norm epsilon and RoPE. Call inside ``config_errors``."""
+    hidden = int(hf["hidden_size"])
+    heads = int(hf["num_attention_heads"])
+    rope = normalize_rope(hf)
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(hf["intermediate_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_heads": heads,
+        "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+        "head_dim": int(hf.get("head_dim") or hidden // heads),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": rope["rope_scaling"],
+    }
+
+
 def decoder_config(hf: dict[str, Any]) -> DecoderConfig:
     arch = architecture_of(hf)
     bias_default, qk_norm = ARCHITECTURES[arch]
-    try:
-        hidden = int(hf["hidden_size"])
-        heads = int(hf["num_attention_heads"])
-        rope = normalize_rope(hf)
+    with config_errors():
         cfg = DecoderConfig(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope["rope_theta"],
-            rope_scaling=rope["rope_scaling"],
+            **layer_fields(hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", bias_default)),
             qk_norm=qk_norm,
         )
-    except KeyError as exc:
-        raise ModelConfigError(f"config.json is missing the field {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ModelConfigError):
-            raise
-        raise ModelConfigError(f"config.json has a malformed field: {exc}") from exc
     if cfg.num_heads % cfg.num_kv_heads:
         raise ModelConfigError(
             f"num_attention_heads ({cfg.num_heads}) is not divisible by num_key_value_heads "

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 from models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
 from models.dflash_init import draft_hf_config, save_draft  # noqa: E402
-from models.layers import apply_rotary  # noqa: E402
 
 # --------------------------------------------------------------------------- masks and labels
 
@@ -91,14 +90,12 @@ def dense_forward(
     h = block_embeds
     for layer in draft.layers:
         attn = layer.self_attn
-        k_ctx, v_ctx = attn.context_kv(ctx, ctx_rope)
+        k_ctx, v_ctx = attn.kv(ctx_rope, ctx)
         x = layer.input_layernorm(h)
-        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, k, v = attn.qkv(blk_rope, x)
         m = x.shape[0]
-        q = apply_rotary(attn.q_norm(q.view(m, cfg.num_heads, cfg.head_dim)), *blk_rope)
-        k = apply_rotary(attn.k_norm(k.view(m, cfg.num_kv_heads, cfg.head_dim)), *blk_rope)
         keys = torch.cat([k_ctx, k]).transpose(0, 1)  # [Hkv, S+M, D]
-        vals = torch.cat([v_ctx, v.view(m, cfg.num_kv_heads, cfg.head_dim)]).transpose(0, 1)
+        vals = torch.cat([v_ctx, v]).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], vals[None], attn_mask=mask[None, None],
             scale=attn.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
