@@ -44,9 +44,17 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
 
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    def sampling_generator(self, device: torch.device) -> torch.Generator | None:
+        """The request's own generator (seeded requests only), created on ``device``, the
+        device its logits are sampled on, at first use; None for unseeded requests."""
+        if self.params.seed is None:
+            return None
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(self.params.seed)
+        return self.generator
 
     @property
     def num_tokens(self) -> int:
