@@ -49,9 +49,20 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        # plain attributes, not buffers: ``Module.to(dtype)`` must not round the table
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # non-persistent buffers, so ``Module.to(device)`` moves them; ``_apply`` below keeps
+        # them float32 when the model is cast (``Module.to(dtype)`` must not round the table)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
         self.max_positions = max_positions
+
+    def _apply(self, fn, recurse=True):
+        tables = {name: self._buffers[name] for name in ("cos", "sin")}
+        super()._apply(fn, recurse)
+        for name, table in tables.items():
+            moved = self._buffers[name]
+            if moved.dtype != table.dtype:  # a cast: keep float32 on the new device
+                self._buffers[name] = table.to(moved.device)
+        return self
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos/sin rows for ``positions`` ``[N]``, shaped ``[N, 1, D]`` to broadcast over heads.
