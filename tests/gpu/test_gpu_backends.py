@@ -10,9 +10,9 @@ import torch
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                       reason="needs flashinfer (pip install specserve[gpu])"),
 ]
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                      reason="needs flashinfer (pip install specserve[gpu])")
 
 from attention.backends import get_backend  # noqa: E402
 from attention.backends.base import AttentionBatch  # noqa: E402
@@ -42,9 +42,12 @@ CASES = {
     "decode": ([1, 1, 1], [37, 5, 80], True),
     "causal_prefill": ([20, 7], [0, 33], True),
     "draft_block": ([8, 8, 8], [12, 40, 3], False),
+    # a long prefill next to decode and verify rows: two plans, outputs scattered into place
+    "mixed_prefill_rows": ([100, 1, 5], [0, 20, 7], True),
 }
 
 
+@needs_flashinfer
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtypes", [("bfloat16", "fp8_e4m3"), ("fp8_e4m3", "bfloat16")])
 @pytest.mark.parametrize("case", list(CASES))
@@ -74,7 +77,9 @@ def test_flashinfer_matches_torch_backend(layout, dtypes, case):
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_greedy_speculation_equals_plain_greedy_on_gpu(tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", [pytest.param("flashinfer", marks=needs_flashinfer), "torch"])
+def test_greedy_speculation_equals_plain_greedy_on_gpu(tmp_path, backend, kv_dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from engine import LLM, SamplingParams
@@ -93,7 +98,7 @@ def test_greedy_speculation_equals_plain_greedy_on_gpu(tmp_path):
     prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), [7]]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     common = dict(model=str(tmp_path / "target"), dtype="bfloat16", device="cuda",
-                  attention_backend="flashinfer", kv_cache_memory="64MiB")
+                  attention_backend=backend, kv_cache_dtype=kv_dtype, kv_cache_memory="64MiB")
     plain = LLM(speculative_config=None, **common).generate(prompts, params)
     spec = LLM(speculative_config={"method": "dflash", "model": str(tmp_path / "draft"),
                                    "kv_cache_dtype": "bfloat16"}, **common).generate(prompts, params)
