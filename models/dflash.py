@@ -23,7 +23,7 @@ verification is unchanged, so outputs are exactly the target's whatever the subs
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,15 +188,20 @@ class DFlashDraftModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: Sequence[LayerKV],
+        block_len: int | None = None,
     ) -> torch.Tensor:
-        """Run query blocks (non-causal metadata) and return the final-normed states."""
+        """Run query blocks (non-causal metadata) and return the final-normed states.
+        ``block_len`` (the positions per block) is only needed by DFlash2 drafts."""
         h = block_embeds
         rope = self.rotary.lookup(positions, h.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             h = layer(rope, h, meta, kv)
         return self.norm(h)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], ignore: Callable[[str], bool] | None = None
+    ) -> None:
+        """Load reference-format weights; ``ignore`` names parameters a subclass loads itself."""
         params = dict(self.named_parameters())
         cfg = self.config
         sizes = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
@@ -229,7 +234,7 @@ class DFlashDraftModel(nn.Module):
                 _copy(dst if rows is None else dst[rows[0] : rows[0] + rows[1]], tensor, hf_name)
             loaded[target] = loaded.get(target, 0) + 1
         expected = {n: 3 if ".qkv_proj." in n else 2 if ".gate_up_proj." in n else 1 for n in params
-                    if n != "mask_embedding"}
+                    if n != "mask_embedding" and not (ignore and ignore(n))}
         missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
         if cfg.draft_vocab_size is not None and self.d2t is None:
             missing.append(D2T_KEY)
