@@ -73,7 +73,7 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
 
 
-SPEC_METHODS = ("dflash", "ngram")
+SPEC_METHODS = ("dflash", "dflash2", "ngram")  # dflash detects DFlash2 drafts; dflash2 requires one
 
 
 @dataclass(frozen=True)
@@ -119,9 +119,9 @@ class SpeculativeConfig:
                 f"valid: {', '.join(SPEC_METHODS)}",
                 "speculative_config.method",
             )
-        if method == "dflash" and not value.get("model"):
+        if method in ("dflash", "dflash2") and not value.get("model"):
             raise ConfigError(
-                "speculative_config.model is required for method 'dflash' (a draft folder)",
+                f"speculative_config.model is required for method {method!r} (a draft folder)",
                 "speculative_config.model",
             )
         if value.get("kv_cache_dtype") is not None:

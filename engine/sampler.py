@@ -30,6 +30,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.request import Request
+from engine.spec import rejection
 
 
 @dataclass
@@ -65,6 +66,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, groups: list[RowGroup]) -> dict[str, SampleResult]:
         if not groups:
             return {}
+        proposed = {id(g): p for g in groups if g.drafts and not g.request.params.greedy
+                    and (p := rejection.take(g.request, g.drafts)) is not None}
+        if proposed:  # drafts sampled from a recorded q (DFlash2): engine/spec/rejection.py
+            out = {g.request.request_id: rejection.verify(self, logits, g, proposed[id(g)])
+                   for g in groups if id(g) in proposed}
+            return {**self(logits, [g for g in groups if id(g) not in proposed]), **out}
         dev = logits.device
         vocab = logits.shape[-1]
         plan = _HostPlan(groups, vocab)

@@ -3,7 +3,9 @@
 After the target pass, the tapped target states of every accepted position become draft
 context K/V (written into the draft group's pages at those positions); then the query block
 ``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to look-ahead slots and attends
-to the whole context plus the block. The draft is greedy; verification stays exact.
+to the whole context plus the block. The draft is greedy; verification stays exact. A DFlash2
+draft (detected from its config.json) is served by ``engine/spec/dflash2.py``: the same pass,
+then its candidate selector chooses the tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from engine.config import ConfigError, EngineConfig
 from engine.kv_pool import KVPool
 from engine.runner import slots_for
 from engine.spec.base import ProposalItem
+from engine.request import Request
 from models.dflash import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDraftModel
+from models.dflash2 import DFlash2Config, build_draft, draft_config
 from models.hf_folder import iter_safetensors, load_hf_config
 from models.llama import LlamaForCausalLM
 
@@ -63,7 +67,13 @@ class DFlashProposer:
                 f"speculative_config.model {spec.model!r} is not a folder with config.json",
                 "speculative_config.model",
             )
-        dcfg = DFlashConfig.from_hf(load_hf_config(path))
+        dcfg = draft_config(load_hf_config(path))
+        if spec.method == "dflash2" and not isinstance(dcfg, DFlash2Config):
+            raise ConfigError(
+                f"speculative_config.method 'dflash2' needs a DFlash2 draft; {spec.model!r} is a "
+                "DFlash draft (use method 'dflash', which detects the kind)",
+                "speculative_config.method",
+            )
         validate_draft(dcfg, target, has_mask_embedding=_has_mask_embedding(path))
         k = spec.num_speculative_tokens or dcfg.block_size - 1
         if not 1 <= k <= dcfg.block_size - 1:
@@ -79,7 +89,7 @@ class DFlashProposer:
         )
         max_positions = target.rotary.max_positions
         with torch.device(device):
-            draft = DFlashDraftModel(dcfg, max_positions)
+            draft = build_draft(dcfg, max_positions)
         draft = draft.to(dtype=config.model.dtype).eval().requires_grad_(False)
         draft.load_weights(iter_safetensors(path))
         validate_draft_vocab(draft, target)
@@ -88,7 +98,12 @@ class DFlashProposer:
             from safetensors.torch import load_file
 
             draft.set_mask_embedding(load_file(str(mask_file))["mask_embedding"])
-        return cls(draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
+        args = (draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
+        if isinstance(dcfg, DFlash2Config):
+            from engine.spec.dflash2 import DFlash2Proposer
+
+            return DFlash2Proposer(*args, seed=config.model.seed)
+        return cls(*args)
 
     # -- engine wiring ---------------------------------------------------------------------
     def layer_specs(self) -> list[LayerKVSpec]:
@@ -118,7 +133,7 @@ class DFlashProposer:
         block_ids: list[int] = []
         block_pos, block_slots, kv_lens, tables = [], [], [], []
         mask_id = self.draft.config.mask_token_id
-        proposing: list[str] = []
+        proposing: list[Request] = []
         for it in items:
             req = it.item.request
             if it.num_valid > 0:
@@ -128,7 +143,7 @@ class DFlashProposer:
             if not it.sampled or not it.wants_draft:
                 continue
             p = it.start + it.num_valid  # position of the newest (bonus) token
-            proposing.append(req.request_id)
+            proposing.append(req)
             block_ids.append(it.sampled[-1])
             block_ids.extend([mask_id if mask_id is not None else 0] * k)
             block_pos.append(torch.arange(p, p + k + 1))
@@ -157,12 +172,20 @@ class DFlashProposer:
             slot_mapping=torch.cat(block_slots), causal=False, block_size=bs,
         )
         meta = self._backend.build_metadata(batch, self.device)
-        hidden = self.draft(embeds, torch.cat(block_pos).to(self.device), meta, self._kv)
-        hidden = hidden.view(n, k + 1, -1)[:, 1:].reshape(n * k, -1)
-        best = torch.nn.functional.linear(hidden, self._head).argmax(dim=-1)
+        hidden = self.draft(embeds, torch.cat(block_pos).to(self.device), meta, self._kv,
+                            block_len=k + 1)
+        return self.choose(proposing, hidden.view(n, k + 1, -1), ids.view(n, k + 1)[:, 0])
+
+    def choose(
+        self, reqs: list[Request], hidden: torch.Tensor, anchors: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """Draft tokens from the block states ``[n, K+1, H]`` (DFlash: the argmax of every
+        MASK position; DFlash2 overrides this with its selector)."""
+        n, k = hidden.shape[0], hidden.shape[1] - 1
+        best = torch.nn.functional.linear(hidden[:, 1:].reshape(n * k, -1), self._head).argmax(dim=-1)
         if self._vocab_ids is not None:
             best = self._vocab_ids.index_select(0, best)
-        return dict(zip(proposing, best.view(n, k).tolist()))
+        return dict(zip((r.request_id for r in reqs), best.view(n, k).tolist()))
 
 
 def validate_draft_vocab(draft: DFlashDraftModel, target: LlamaForCausalLM) -> None:
