@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from attention.backends.base import AttentionMetadata
-from attention.kv import LayerKV, write_kv
+from attention.kv import LayerKV, SlotIndex, write_kv
 from models.hf_folder import ModelConfigError
 from models.layers import RMSNorm, RotaryEmbedding
 from models.llama import PACKED, DecoderLayer, LayerSpec, WeightLoadError, _copy
@@ -178,9 +178,12 @@ class DFlashDraftModel(nn.Module):
             return
         ctx = self.fuse(target_hidden)
         rope = self.rotary.lookup(positions, ctx.dtype)
+        # one slot index for all layers: building it looks at the slots (a host sync when they
+        # are on the GPU), which must not happen once per layer
+        slots = SlotIndex.build(slot_mapping, kv_caches[0].block_size) if kv_caches else None
         for layer, kv in zip(self.layers, kv_caches):
             k, v = layer.self_attn.kv(rope, ctx)
-            write_kv(kv, k, v, slot_mapping)
+            write_kv(kv, k, v, slots)
 
     def forward(
         self,
