@@ -59,16 +59,26 @@ def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tenso
 class SlotIndex:
     """Where a step's new tokens go, computed once per step and reused by every layer."""
 
-    keep: torch.Tensor | None  # rows with a real slot (None: all rows)
+    keep: torch.Tensor | None  # indices of the rows with a real slot (None: all rows)
     blocks: torch.Tensor
     offsets: torch.Tensor
 
     @classmethod
-    def build(cls, slot_mapping: torch.Tensor, block_size: int) -> SlotIndex:
+    def build(
+        cls, slot_mapping: torch.Tensor, block_size: int, device: torch.device | None = None
+    ) -> SlotIndex:
+        """Split slots into (block, offset) on ``device`` (default: the slots' device).
+
+        Padding rows carry -1 and are dropped by index. The test for padding runs where the
+        slot mapping was built (the runner builds it on the host), so a step on an accelerator
+        makes no device-to-host sync here, and no layer does boolean-mask indexing."""
+        device = slot_mapping.device if device is None else device
         keep = None
-        if slot_mapping.numel() and int(slot_mapping.min()) < 0:  # padding rows carry -1
-            keep = slot_mapping >= 0
-            slot_mapping = slot_mapping[keep]
+        if slot_mapping.numel() and bool((slot_mapping < 0).any()):
+            keep = torch.nonzero(slot_mapping >= 0).flatten()
+            slot_mapping = slot_mapping.index_select(0, keep)
+            keep = keep.to(device)
+        slot_mapping = slot_mapping.to(device)
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         return cls(keep, blocks, slot_mapping - blocks * block_size)
 
@@ -82,7 +92,7 @@ def write_kv(
         return
     idx = slots if isinstance(slots, SlotIndex) else SlotIndex.build(slots, kv.block_size)
     if idx.keep is not None:
-        k, v = k[idx.keep], v[idx.keep]
+        k, v = k.index_select(0, idx.keep), v.index_select(0, idx.keep)
     kv_new = torch.stack((quantize(k, kv.dtype, kv.k_scale), quantize(v, kv.dtype, kv.v_scale)), 1)
     kv.logical[idx.blocks, :, idx.offsets] = kv_new  # [N, 2, H, D]
 

@@ -1,6 +1,12 @@
-"""Reference attention backend in plain PyTorch (runs on CPU and GPU).
+"""Attention backend in PyTorch (runs on CPU and GPU).
 
-Queries of a step are padded per request to ``[B, Hq, max_q, D]``, the request's pages are
+On the CPU it runs the batch-invariant paged kernel (``attention/csrc/paged_attention.cpp``,
+built on first use): one call per layer for the whole batch, reading K/V straight from the
+pages, every query row computed by the same operations whatever its batch mates or its
+request's query length. ``SPECSERVE_CPU_ATTENTION=sdpa`` (or a machine without a compiler, or
+a CUDA device) selects the SDPA path below, which stays the reference.
+
+SDPA path: queries of a step are padded per request to ``[B, Hq, max_q, D]``, the request's pages are
 gathered to ``[B, Hkv, S, D]``, and one masked SDPA call covers the batch. When requests have
 very different query lengths (a long prefill next to decodes), requests are split into buckets
 of similar length so padding stays cheap.
@@ -8,6 +14,8 @@ of similar length so padding stays cheap.
 
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +26,37 @@ from attention.dtypes import dtype_name
 from attention.kv import LayerKV, SlotIndex, gather_kv, write_kv
 
 
+CPU_ATTENTION_ENV = "SPECSERVE_CPU_ATTENTION"
+CPU_KERNELS = ("auto", "paged", "sdpa")
+
+
+def cpu_kernel_choice(requested: str | None = None) -> str:
+    """``paged`` or ``sdpa`` for CPU steps: the argument, else ``SPECSERVE_CPU_ATTENTION``,
+    else ``auto`` (the paged kernel when it builds here). Read at every ``build_metadata`` so a
+    benchmark can alternate the two in one process."""
+    value = (requested or os.environ.get(CPU_ATTENTION_ENV) or "auto").strip().lower()
+    if value not in CPU_KERNELS:
+        raise ValueError(
+            f"Unknown CPU attention kernel {value!r} ({CPU_ATTENTION_ENV}); valid: "
+            f"{', '.join(CPU_KERNELS)}"
+        )
+    if value == "sdpa":
+        return "sdpa"
+    from attention import cpu_kernel
+
+    if cpu_kernel.available():
+        return "paged"
+    if value == "paged":
+        raise RuntimeError(f"CPU paged-attention kernel unavailable: {cpu_kernel.error()}")
+    return "sdpa"
+
+
 class TorchBackend:
     name = "torch"
     supported_layouts = ("NHD", "HND")
+
+    def __init__(self, cpu_kernel: str | None = None) -> None:
+        self.cpu_kernel = cpu_kernel  # None: SPECSERVE_CPU_ATTENTION, else auto
 
     def check_support(
         self, kv_dtype: torch.dtype, q_dtype: torch.dtype, head_size: int, group: str
@@ -33,7 +69,11 @@ class TorchBackend:
                 f"{group!r}"
             )
 
-    def build_metadata(self, batch: AttentionBatch, device: torch.device) -> TorchMetadata:
+    def build_metadata(
+        self, batch: AttentionBatch, device: torch.device
+    ) -> TorchMetadata | PagedMetadata:
+        if device.type == "cpu" and cpu_kernel_choice(self.cpu_kernel) == "paged":
+            return build_paged_metadata(batch, device)
         starts = [0]
         for n in batch.q_lens:
             starts.append(starts[-1] + n)
@@ -50,7 +90,7 @@ class TorchBackend:
             buckets.append(_make_bucket(current, batch, starts, device))
         # one bucket of equal-length requests already in packed order: no gather/scatter needed
         identity = len(buckets) == 1 and buckets[0].valid is None and order == sorted(order)
-        slots = SlotIndex.build(batch.slot_mapping.to(device), batch.block_size)
+        slots = SlotIndex.build(batch.slot_mapping, batch.block_size, device)
         return TorchMetadata(slots, buckets, batch.num_tokens, identity)
 
 
@@ -149,3 +189,46 @@ def _attend_bucket(q: torch.Tensor, kv: LayerKV, b: _Bucket, scale: float) -> to
         enable_gqa=num_heads != kb.shape[1],
     )
     return ob.transpose(1, 2).reshape(b.batch * b.max_q, num_heads, head_dim)
+
+
+def build_paged_metadata(batch: AttentionBatch, device: torch.device) -> PagedMetadata:
+    """Index tensors for the paged kernel, built once per step with tensor ops."""
+    n = len(batch.q_lens)
+    q_lens = torch.tensor(batch.q_lens, dtype=torch.long)
+    q_indptr = torch.zeros(n + 1, dtype=torch.long)
+    torch.cumsum(q_lens, 0, out=q_indptr[1:])
+    kv_lens = torch.tensor(batch.kv_lens, dtype=torch.long)
+    # pad the block tables to [B, widest] without a loop over requests
+    lens = torch.tensor([len(t) for t in batch.block_tables], dtype=torch.long)
+    flat = torch.tensor(list(itertools.chain.from_iterable(batch.block_tables)), dtype=torch.long)
+    tables = torch.zeros((n, max(1, int(lens.max())) if n else 1), dtype=torch.long)
+    if flat.numel():
+        rows = torch.repeat_interleave(torch.arange(n), lens)
+        cols = torch.arange(flat.numel()) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+        tables[rows, cols] = flat
+    slots = SlotIndex.build(batch.slot_mapping, batch.block_size, device)
+    return PagedMetadata(slots, tables.to(device), q_indptr.to(device), kv_lens.to(device),
+                         batch.causal, batch.num_tokens)
+
+
+@dataclass
+class PagedMetadata:
+    slots: SlotIndex
+    block_tables: torch.Tensor  # [B, widest] int64
+    q_indptr: torch.Tensor  # [B+1] int64
+    kv_lens: torch.Tensor  # [B] int64
+    causal: bool
+    num_tokens: int
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float
+    ) -> torch.Tensor:
+        from attention import cpu_kernel
+
+        write_kv(kv, k, v, self.slots)
+        if self.num_tokens == 0:
+            return q.new_empty(q.shape)
+        return cpu_kernel.paged_attention(
+            q, kv.logical, self.block_tables, self.q_indptr, self.kv_lens, self.causal, scale,
+            kv.k_scale, kv.v_scale,
+        )

@@ -1,0 +1,87 @@
+"""The CPU paged-attention kernel (``attention/csrc/paged_attention.cpp``), built on first use.
+
+``make setup`` builds it once (``python -m attention.cpu_kernel``); otherwise the first call
+builds it (about a minute on two cores) into ``attention/csrc/build/``. When no compiler is
+available, ``load()`` returns ``None`` and the torch backend keeps its SDPA path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+_BUILD = Path(__file__).resolve().parent / "csrc" / "build"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def load(verbose: bool = False):
+    """The compiled module, or ``None`` if it cannot be built here (the reason is logged)."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        try:
+            from torch.utils.cpp_extension import load as load_ext
+
+            _BUILD.mkdir(parents=True, exist_ok=True)
+            _module = load_ext(
+                name="specserve_paged_attention",
+                sources=[str(_SRC)],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(_BUILD),
+                verbose=verbose,
+            )
+        except Exception as exc:  # no compiler, no ninja, build error: keep the SDPA path
+            _error = f"{type(exc).__name__}: {exc}"
+            log.warning("CPU paged-attention kernel unavailable, using SDPA: %s", _error)
+    return _module
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def error() -> str | None:
+    return _error
+
+
+def paged_attention(q: torch.Tensor, cache_logical: torch.Tensor, block_tables: torch.Tensor,
+                    q_indptr: torch.Tensor, kv_lens: torch.Tensor, causal: bool, scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0, tile: int = 16) -> torch.Tensor:
+    """Attention of packed queries ``q [N, Hq, D]`` over one layer's pages.
+
+    ``cache_logical`` is the layer's ``[blocks, 2, bs, Hkv, D]`` view (either layout);
+    ``block_tables [B, M]``, ``q_indptr [B+1]``, ``kv_lens [B]`` are int64. Query ``i`` of
+    request ``b`` sits at position ``kv_len - q_len + i`` and, when ``causal``, sees positions up
+    to its own; otherwise all ``kv_len``. Returns ``[N, Hq, D]`` in ``q``'s dtype.
+    """
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"CPU paged-attention kernel unavailable: {_error}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        q = q.float()
+    return mod.paged_attention(q.contiguous(), cache_logical, block_tables, q_indptr, kv_lens,
+                               causal, float(scale), float(k_scale), float(v_scale), tile)
+
+
+if __name__ == "__main__":  # make setup: build once, loudly
+    logging.basicConfig(level=logging.INFO)
+    if os.environ.get("SPECSERVE_SKIP_KERNEL_BUILD"):
+        raise SystemExit(0)
+    if load(verbose=True) is None:
+        print(f"warning: CPU paged-attention kernel not built ({_error}); SDPA will be used")
+    else:
+        print("CPU paged-attention kernel built")

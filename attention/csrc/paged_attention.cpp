@@ -1,0 +1,281 @@
+// Batch-invariant paged attention for the CPU.
+//
+// Every query row is computed by the same sequence of floating-point operations, which depends
+// only on that row's query vector, its visible K/V positions (0..n-1 of its request) and the
+// head size: not on the batch, the other requests, the request's query length or the thread
+// that runs it. So a decode row (q_len = 1) and the same position inside a verify block
+// (q_len = K + 1) give bitwise identical outputs, alone or in any batch.
+//
+// Per row: scores s_j = (q . k_j) * scale for j < n (K read as 16-position blocks, transposed
+// to float, each score summed over d in order), m = max s, p_j = exp(s_j - m) with a fixed
+// polynomial exp, l = sum p_j in 16 fixed lanes, o = sum_j p_j v_j in order of j, out = o / l.
+// Built with -ffp-contract=off so vector and scalar code paths perform the same IEEE ops.
+//
+// Work is split into tasks (request, kv head, tile of query positions); a tile shares each
+// converted K/V block between its rows (GQA heads x positions), which changes no row's result.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;  // K/V positions per block (and lanes of the l sum)
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <>
+inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  return __builtin_bit_cast(float, bits);
+}
+
+// exp(x) for x <= 0: round-to-nearest range reduction, degree-7 Taylor polynomial, 2^n by
+// exponent bits. Relative error ~1e-7; arguments below -87 give exp(-87) (~1.6e-38).
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float t = x * 1.44269504088896341f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693145751953125f;  // ln2 high part (exact product for |n| < 2^11)
+  r = r - n * 1.428606765330187e-06f;   // ln2 low part
+  float p = 1.9841270e-4f;              // 1/5040
+  p = p * r + 1.3888889e-3f;            // 1/720
+  p = p * r + 8.3333333e-3f;            // 1/120
+  p = p * r + 4.1666667e-2f;            // 1/24
+  p = p * r + 1.6666667e-1f;            // 1/6
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+struct Geometry {
+  const int64_t* tables;
+  int64_t table_stride;
+  int64_t stride_block, stride_kv, stride_tok, stride_head;
+  int64_t block_size;
+};
+
+// Convert positions [j0, j0 + 16) of one kv head to float, transposed to [D][16] (K) or kept as
+// [16][D] (V); positions >= n_valid are zero.
+template <typename T>
+inline void load_block(const T* base, const Geometry& g, const int64_t* table, int64_t head,
+                       int which, int64_t j0, int64_t n_valid, int64_t D, float scale,
+                       bool use_scale, bool transpose, float* dst) {
+  for (int l = 0; l < kLanes; ++l) {
+    int64_t j = j0 + l;
+    if (j >= n_valid) {
+      for (int64_t d = 0; d < D; ++d) {
+        if (transpose) dst[d * kLanes + l] = 0.0f; else dst[l * D + d] = 0.0f;
+      }
+      continue;
+    }
+    const T* src = base + table[j / g.block_size] * g.stride_block + which * g.stride_kv +
+                   (j % g.block_size) * g.stride_tok + head * g.stride_head;
+    if (transpose) {
+      for (int64_t d = 0; d < D; ++d) {
+        float f = to_float(src[d]);
+        dst[d * kLanes + l] = use_scale ? f * scale : f;
+      }
+    } else {
+      float* row = dst + l * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float f = to_float(src[d]);
+        row[d] = use_scale ? f * scale : f;
+      }
+    }
+  }
+}
+
+template <typename QT, typename T>
+void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
+         const int64_t* q_indptr, const int64_t* kv_lens, int64_t num_reqs, int64_t Hq,
+         int64_t Hkv, int64_t D, bool causal, float scale, float k_scale, float v_scale,
+         bool use_scale, int64_t tile) {
+  const int64_t G = Hq / Hkv;
+  // tasks: (request, tile) pairs, times kv heads
+  std::vector<int64_t> task_req, task_first;
+  for (int64_t b = 0; b < num_reqs; ++b) {
+    int64_t q_len = q_indptr[b + 1] - q_indptr[b];
+    for (int64_t i = 0; i < q_len; i += tile) {
+      task_req.push_back(b);
+      task_first.push_back(i);
+    }
+  }
+  const int64_t num_tasks = static_cast<int64_t>(task_req.size()) * Hkv;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(
+      at::get_num_threads(), num_tasks)));
+  // Dynamic scheduling: tasks differ in cost (context lengths, prefill tiles). Which thread
+  // runs a task never changes its result.
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> kblk(D * kLanes), vblk(kLanes * D), qf, scores, acc, denom;
+    std::vector<int64_t> n_of;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
+      const int64_t t = task / Hkv, h = task % Hkv;
+      const int64_t b = task_req[t], i0 = task_first[t];
+      const int64_t q_len = q_indptr[b + 1] - q_indptr[b];
+      const int64_t kv_len = kv_lens[b];
+      const int64_t i1 = std::min(q_len, i0 + tile);
+      const int64_t rows = (i1 - i0) * G;
+      const int64_t* table = geo.tables + b * geo.table_stride;
+      n_of.resize(rows);
+      int64_t n_max = 0;
+      for (int64_t i = i0; i < i1; ++i) {
+        int64_t n = causal ? kv_len - q_len + i + 1 : kv_len;
+        for (int64_t g = 0; g < G; ++g) n_of[(i - i0) * G + g] = n;
+        n_max = std::max(n_max, n);
+      }
+      const int64_t n_pad = (n_max + kLanes - 1) / kLanes * kLanes;
+      qf.resize(rows * D);
+      scores.resize(rows * n_pad);
+      acc.resize(rows * D);
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const QT* src = q + ((q_indptr[b] + i) * Hq + h * G + g) * D;
+          float* dst = qf.data() + ((i - i0) * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
+        }
+      }
+      // scores, one 16-position block at a time
+      for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
+        load_block(cache, geo, table, h, 0, j0, n_max, D, k_scale, use_scale, true, kblk.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          if (j0 >= n_of[r]) continue;
+          const float* qr = qf.data() + r * D;
+          float s[kLanes];
+          for (int l = 0; l < kLanes; ++l) s[l] = 0.0f;
+          for (int64_t d = 0; d < D; ++d) {
+            const float qd = qr[d];
+            const float* kd = kblk.data() + d * kLanes;
+            for (int l = 0; l < kLanes; ++l) s[l] += qd * kd[l];
+          }
+          float* sr = scores.data() + r * n_pad + j0;
+          for (int l = 0; l < kLanes; ++l) sr[l] = s[l] * scale;
+        }
+      }
+      // softmax numerators and denominators, row by row
+      denom.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t n = n_of[r];
+        float* sr = scores.data() + r * n_pad;
+        float m = sr[0];
+        for (int64_t j = 1; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+        for (int64_t j = 0; j < n; ++j) sr[j] = exp_nonpos(sr[j] - m);
+        for (int64_t j = n; j < n_pad; ++j) sr[j] = 0.0f;
+        float lane[kLanes];
+        for (int l = 0; l < kLanes; ++l) lane[l] = 0.0f;
+        for (int64_t j0 = 0; j0 < n_pad; j0 += kLanes)
+          for (int l = 0; l < kLanes; ++l) lane[l] += sr[j0 + l];
+        for (int w = kLanes / 2; w >= 1; w /= 2)
+          for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+        denom[r] = lane[0];
+      }
+      // weighted sum of V in order of position
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
+        load_block(cache, geo, table, h, 1, j0, n_max, D, v_scale, use_scale, false, vblk.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t n = n_of[r];
+          if (j0 >= n) continue;
+          const int64_t lmax = std::min<int64_t>(kLanes, n - j0);
+          const float* pr = scores.data() + r * n_pad + j0;
+          float* ar = acc.data() + r * D;
+          for (int64_t l = 0; l < lmax; ++l) {
+            const float p = pr[l];
+            const float* vr = vblk.data() + l * D;
+            for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+          }
+        }
+      }
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = (i - i0) * G + g;
+          QT* dst = out + ((q_indptr[b] + i) * Hq + h * G + g) * D;
+          const float* ar = acc.data() + r * D;
+          const float l = denom[r];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(ar[d] / l);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q [N, Hq, D] float32, bfloat16 or float16; cache: one layer's logical view [blocks, 2, bs, Hkv, D] (any strides,
+// last dim contiguous); block_tables [B, M] int64; q_indptr [B+1] int64; kv_lens [B] int64.
+// Returns [N, Hq, D] in q's dtype (computed in float32, rounded once at the end).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                              torch::Tensor q_indptr, torch::Tensor kv_lens, bool causal,
+                              double scale, double k_scale, double v_scale, int64_t tile) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
+                   q.scalar_type() == at::kHalf),
+              "q must be a contiguous float32/bfloat16/float16 [N, Hq, D] tensor");
+  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.stride(4) == 1,
+              "cache must be a [blocks, 2, bs, Hkv, D] view with a contiguous last dim");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous(), "block_tables must be contiguous int64 [B, M]");
+  TORCH_CHECK(q_indptr.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong &&
+                  q_indptr.is_contiguous() && kv_lens.is_contiguous(),
+              "q_indptr and kv_lens must be contiguous int64");
+  TORCH_CHECK(tile >= 1, "tile must be >= 1");
+  const int64_t B = kv_lens.size(0);
+  TORCH_CHECK(q_indptr.size(0) == B + 1 && block_tables.size(0) == B, "batch sizes disagree");
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = cache.size(3);
+  TORCH_CHECK(cache.size(4) == D, "head size of q and cache differ");
+  TORCH_CHECK(Hq % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t* qi = q_indptr.data_ptr<int64_t>();
+  const int64_t* kl = kv_lens.data_ptr<int64_t>();
+  TORCH_CHECK(qi[B] == q.size(0), "q_indptr does not cover q");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q_len = qi[b + 1] - qi[b];
+    TORCH_CHECK(q_len >= 0 && kl[b] >= 1 && kl[b] >= q_len, "request ", b,
+                ": need kv_len >= max(1, q_len), got q_len ", q_len, " kv_len ", kl[b]);
+    TORCH_CHECK((kl[b] + cache.size(2) - 1) / cache.size(2) <= block_tables.size(1),
+                "request ", b, ": block table too short for kv_len ", kl[b]);
+  }
+  auto out = torch::empty_like(q);
+  Geometry geo{block_tables.data_ptr<int64_t>(), block_tables.size(1), cache.stride(0),
+               cache.stride(1), cache.stride(2), cache.stride(3), cache.size(2)};
+  const bool fp8 = cache.scalar_type() == at::kFloat8_e4m3fn ||
+                   cache.scalar_type() == at::kFloat8_e5m2;
+  const bool use_scale = fp8 && (k_scale != 1.0 || v_scale != 1.0);
+  auto go = [&](auto* ptr) {
+    auto with_q = [&](auto* qp, auto* op) {
+      run(qp, op, ptr, geo, qi, kl, B, Hq, Hkv, D, causal, static_cast<float>(scale),
+          static_cast<float>(k_scale), static_cast<float>(v_scale), use_scale, tile);
+    };
+    switch (q.scalar_type()) {
+      case at::kFloat: with_q(q.data_ptr<float>(), out.data_ptr<float>()); break;
+      case at::kBFloat16:
+        with_q(q.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>()); break;
+      default: with_q(q.data_ptr<c10::Half>(), out.data_ptr<c10::Half>()); break;
+    }
+  };
+  switch (cache.scalar_type()) {
+    case at::kFloat: go(cache.data_ptr<float>()); break;
+    case at::kBFloat16: go(cache.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: go(cache.data_ptr<c10::Half>()); break;
+    case at::kFloat8_e4m3fn: go(cache.data_ptr<c10::Float8_e4m3fn>()); break;
+    case at::kFloat8_e5m2: go(cache.data_ptr<c10::Float8_e5m2>()); break;
+    default: TORCH_CHECK(false, "unsupported cache dtype ", cache.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "Batch-invariant paged attention (CPU)");
+}

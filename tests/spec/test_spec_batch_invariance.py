@@ -1,0 +1,98 @@
+"""The real SmolLM2-135M target (bfloat16, the serving dtype) on the paged CPU attention:
+greedy with speculation equals greedy without at 1, 8 and 32 concurrent requests.
+
+Whether a request's tokens are independent of its batch mates end to end is checked too, but
+marked xfail: the attention is batch-invariant (tests/attention/test_batch_invariance.py), but
+the bfloat16 down projection (K = 1536) on oneDNN gives some rows different bits depending on
+how many rows the GEMM has (measured; see docs/performance.md), which is outside attention."""
+
+from __future__ import annotations
+
+import pytest
+
+from attention import cpu_kernel
+
+from .helpers import OracleProposer, assert_same_tokens, greedy, make_llm, save_draft, token_ids
+
+REAL = "smollm2-135m-instruct"
+ARGS = {"dtype": "bfloat16", "max_model_len": 256, "kv_cache_memory": "96MiB",
+        "max_num_seqs": 32}
+MAX_TOKENS = 20
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cpu_kernel.available(), reason="paged CPU kernel unavailable"),
+]
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Distinct prompts of different lengths (3 to 97 tokens) from a fixed pseudo-random mix of
+    ordinary token ids."""
+    out = []
+    for i in range(n):
+        length = 3 + (i * 37) % 95
+        out.append([1] + [(i * 7919 + j * 104729) % 30000 + 200 for j in range(length)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_model():
+    try:
+        from models.resolve import resolve_model_path
+
+        return resolve_model_path(REAL)
+    except Exception as exc:  # noqa: BLE001 -- the folder is missing and cannot be built offline
+        pytest.skip(f"real model unavailable: {exc}")
+
+
+@pytest.fixture(scope="module")
+def real_draft(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2-random-draft-bi")
+    save_draft(folder, seed=5, hidden=576, heads=9, kv_heads=3, head_dim=64, intermediate=256,
+               layers=1, block_size=8, target_layer_ids=(1, 14, 27), num_target_layers=30,
+               mask_token_id=0, vocab=49152, init=0.05, rope_theta=1e5)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def plain(real_model):
+    """Greedy tokens without speculation: ``plain[c]`` for the first c prompts submitted
+    together, ``plain["alone"]`` for each prompt run alone."""
+    llm = make_llm(REAL, None, **ARGS)
+    prompts = _prompts(32)
+    out = {c: token_ids(llm.generate(prompts[:c], greedy(MAX_TOKENS))) for c in (1, 8, 32)}
+    out["alone"] = [token_ids(llm.generate([p], greedy(MAX_TOKENS)))[0] for p in prompts[:8]]
+    return prompts, out
+
+
+@pytest.mark.xfail(reason="bf16 oneDNN GEMM rows depend on the row count (not attention)",
+                   strict=False)
+def test_plain_batch_equals_alone(plain):
+    _, out = plain
+    assert_same_tokens(out[8], out["alone"], "plain, 8 together vs alone")
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_dflash_greedy_equals_plain(plain, real_draft, concurrency):
+    prompts, out = plain
+    want = out[concurrency]
+    spec = {"method": "dflash", "model": str(real_draft), "num_speculative_tokens": 7}
+    llm = make_llm(REAL, spec, **ARGS)
+    got = token_ids(llm.generate(prompts[:concurrency], greedy(MAX_TOKENS)))
+    assert_same_tokens(got, want[:concurrency], f"dflash, {concurrency} together")
+    assert llm.get_spec_decoding_stats().num_drafts > 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 8, 32])
+def test_fully_accepted_verify_blocks_equal_plain(plain, concurrency):
+    """Oracle drafts (the plain run's own tokens) are all accepted, so every row of every
+    verify block becomes an output token."""
+    prompts, out = plain
+    want = out[concurrency]
+    llm = make_llm(REAL, {"method": "ngram", "num_speculative_tokens": 5}, **ARGS)
+    futures = {tuple(p): w for p, w in zip(prompts, want)}
+    llm.engine.runner.proposer = OracleProposer(futures, 5, 49152)
+    got = token_ids(llm.generate(prompts[:concurrency], greedy(MAX_TOKENS)))
+    assert_same_tokens(got, want[:concurrency], f"oracle, {concurrency} together")
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
