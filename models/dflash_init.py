@@ -1,4 +1,4 @@
-"""Create and save DFlash drafts in the reference checkpoint format."""
+"""Create and save DFlash and DFlash2 drafts in the reference checkpoint format."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from models.dflash import (
     D2T_KEY,
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
-    DFlashConfig,
     DFlashDraftModel,
     default_target_layer_ids,
 )
+from models.dflash2 import build_draft, draft_config
 from models.llama import DecoderConfig
 
 
@@ -27,12 +27,15 @@ def draft_hf_config(
     mask_token_id: int | None = None,
     intermediate_size: int | None = None,
     draft_vocab_size: int | None = None,
+    dflash2: dict | None = None,
 ) -> dict:
-    """A reference-format draft ``config.json`` sized for ``target``."""
+    """A reference-format draft ``config.json`` sized for ``target``; ``dflash2`` (the keys
+    ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``) makes it
+    a DFlash2 draft."""
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, num_layers)
     extra = {} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": target.hidden_size,
         "intermediate_size": intermediate_size or target.intermediate_size,
@@ -49,7 +52,8 @@ def draft_hf_config(
         "vocab_size": target.vocab_size,
         "block_size": block_size,
         "num_target_layers": target.num_layers,
-        "dflash_config": {"target_layer_ids": list(ids), "mask_token_id": mask_token_id},
+        "dflash_config": {"target_layer_ids": list(ids), "mask_token_id": mask_token_id,
+                          **(dflash2 or {})},
         **extra,
     }
 
@@ -92,9 +96,9 @@ def save_draft(model: DFlashDraftModel, hf_config: dict, folder: Path, dtype=tor
 
 def random_draft(hf_config: dict, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
     """A draft with random weights (normal ``std``, norms at 1) for tests and baselines."""
-    cfg = DFlashConfig.from_hf(hf_config)
+    cfg = draft_config(hf_config)
     gen = torch.Generator().manual_seed(seed)
-    model = DFlashDraftModel(cfg, max_positions=cfg.block_size + 8)
+    model = build_draft(cfg, max_positions=cfg.block_size + 8)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

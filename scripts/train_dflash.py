@@ -1,10 +1,17 @@
-"""Train a DFlash draft for a target from stored target features (see ``dflash_data.py``).
+"""Train a DFlash or DFlash2 draft for a target from stored target features (see
+``dflash_data.py``).
 
 Per sequence: random anchors in the response; each anchor's block ``[token, MASK x (B-1)]``
 sees only context strictly before its anchor plus its own block (non-causal); slot k predicts
 token ``anchor + k`` with cross-entropy weighted by ``exp(-(k-1)/gamma)``. The target's
 embedding and LM head are frozen; AdamW with warmup and cosine decay, gradient clipping,
 checkpoints every ``--save-every`` steps, ``--resume`` to continue a run.
+
+``--dflash2`` trains a DFlash2 draft (``models/dflash2.py``): the same blocks and loss, with
+block convolutions in every layer (initialised to the identity, so training starts from a
+DFlash draft) and the candidate selector, trained by teacher forcing on the cross-entropy of
+the true token among the top-k candidates (``selector_terms``; weight ``--selector-weight``).
+Its validation acceptance is the selector's greedy path, as served.
 
     python scripts/train_dflash.py --data DIR --out DIR --layers 1 --taps 1 14 27 --block-size 8
 """
@@ -26,7 +33,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from models.dflash import DFlashConfig, DFlashDraftModel  # noqa: E402
+from models.dflash import DFlashDraftModel  # noqa: E402
+from models.dflash2 import DFlash2DraftModel, DFlash2Layer, draft_config  # noqa: E402
+from models.dflash2 import build_draft as build_draft_model  # noqa: E402
 from models.dflash_init import draft_hf_config, save_draft  # noqa: E402
 
 # --------------------------------------------------------------------------- masks and labels
@@ -79,9 +88,11 @@ def dense_forward(
     block_embeds: torch.Tensor,
     block_pos: torch.Tensor,
     mask: torch.Tensor,
+    block_len: int | None = None,
 ) -> torch.Tensor:
     """Training forward without a paged cache: context ``[S, taps*H]`` at positions ``0..S-1``,
-    blocks ``[N*B, H]`` at ``block_pos``; returns final-normed block states ``[N*B, H]``."""
+    blocks ``[N*B, H]`` at ``block_pos``; returns final-normed block states ``[N*B, H]``.
+    ``block_len`` (B) is needed by DFlash2 drafts, whose convolutions run within each block."""
     cfg = draft.config
     s = target_feats.shape[0]
     ctx = draft.fuse(target_feats)
@@ -91,17 +102,23 @@ def dense_forward(
     for layer in draft.layers:
         attn = layer.self_attn
         k_ctx, v_ctx = attn.kv(ctx_rope, ctx)
-        x = layer.input_layernorm(h)
-        q, k, v = attn.qkv(blk_rope, x)
-        m = x.shape[0]
-        keys = torch.cat([k_ctx, k]).transpose(0, 1)  # [Hkv, S+M, D]
-        vals = torch.cat([v_ctx, v]).transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], vals[None], attn_mask=mask[None, None],
-            scale=attn.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )[0]
-        h = h + attn.o_proj(out.transpose(0, 1).reshape(m, attn.q_size))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+        def attend(x: torch.Tensor) -> torch.Tensor:
+            q, k, v = attn.qkv(blk_rope, x)
+            keys = torch.cat([k_ctx, k]).transpose(0, 1)  # [Hkv, S+M, D]
+            vals = torch.cat([v_ctx, v]).transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], vals[None], attn_mask=mask[None, None],
+                scale=attn.scale, enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )[0]
+            return attn.o_proj(out.transpose(0, 1).reshape(x.shape[0], attn.q_size))
+
+        if isinstance(layer, DFlash2Layer):  # block convolutions around both sublayers
+            h = h + layer.attention_conv.around(attend, layer.input_layernorm(h), block_len)
+            h = h + layer.mlp_conv.around(layer.mlp, layer.post_attention_layernorm(h), block_len)
+        else:
+            h = h + attend(layer.input_layernorm(h))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
     return draft.norm(h)
 
 
@@ -165,11 +182,47 @@ def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int) -> torch
     return torch.sort(by_freq[:size]).values
 
 
+def selector_terms(
+    draft: DFlash2DraftModel, frozen: Frozen, h: torch.Tensor, logits: torch.Tensor,
+    prev: torch.Tensor, labels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidate selector under teacher forcing, for M block positions: states ``h``
+    ``[M, H]``, draft logits ``[M, V']``, the true previous tokens ``prev`` and labels ``[M]``
+    (target ids). Returns the per-position cross-entropy of the label among the candidates
+    (``[M]``, 0 where the label is not a candidate), whether it is one, and the selector's
+    greedy pick (target ids).
+
+    Why this objective: at serving time position j's draft only counts while drafts 1..j-1
+    were accepted, i.e. equal to the target's tokens; then the selector's predecessor is the
+    true previous token. So training with the true predecessor (teacher forcing) scores
+    exactly the situations that decide acceptance. Among the top-k candidates the selector
+    picks ``argmax score`` (greedy) or samples ``softmax(score / T)``; maximising the
+    likelihood of the label under ``softmax(score)`` raises both the greedy hit rate and, at
+    T = 1, the proposal probability q of the label (which is what rejection sampling accepts
+    on). A label outside the candidates gets no selector loss: only the draft's own
+    cross-entropy can bring it into the top-k. The candidates are chosen without gradient
+    (top-k); the loss reaches the unary logits, the codebooks, the projection and the states.
+    """
+    sel = draft.candidate_selector
+    unary, idx = logits.topk(sel.top_k, dim=-1)
+    cands = idx if frozen.vocab_ids is None else frozen.vocab_ids[idx]
+    scores = unary + sel.pair_scores(prev, sel.hidden_projection(h), cands)
+    match = cands == labels[:, None]
+    present = match.any(-1)
+    ce = F.cross_entropy(scores, match.float().argmax(-1), reduction="none") * present
+    pick = cands.gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+    return ce, present, pick
+
+
 def sequence_loss(
-    draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: list[int], gamma: float
+    draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: list[int], gamma: float,
+    selector_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE over the blocks of one sequence; also per-slot correct and valid counts, and
-    per-block hit flags ``[N, B-1]`` (prediction equals a valid label) for acceptance."""
+    per-block hit flags ``[N, B-1]`` (prediction equals a valid label) for acceptance.
+
+    DFlash2 drafts add ``selector_weight`` times the selector's weighted cross-entropy (see
+    ``selector_terms``), and their predictions are the selector's greedy picks, as served."""
     b = draft.config.block_size
     s = seq.ids.shape[0]
     feats = seq.feats.float()
@@ -179,7 +232,7 @@ def sequence_loss(
     emb = draft.mask_embedding.expand(len(anchors), b, -1).clone()
     emb[:, 0] = frozen.embed[block_ids]
     pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).reshape(-1)
-    h = dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask)
+    h = dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask, block_len=b)
     h = h.view(len(anchors), b, -1)[:, 1:]
     lab = labels[:, 1:]
     valid = lab != -100
@@ -201,6 +254,13 @@ def sequence_loss(
     best = logits.argmax(-1)
     if frozen.vocab_ids is not None:
         best = frozen.vocab_ids[best]
+    if isinstance(draft, DFlash2DraftModel):
+        # the true token before each slot: the anchor for slot 1, else the previous label
+        prev = torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :]
+        prev = seq.ids[prev.clamp_max(s - 1)][valid]
+        sel_ce, present, best = selector_terms(draft, frozen, h[valid], logits, prev, lab[valid])
+        sel_w = w * present
+        loss = loss + selector_weight * (sel_w * sel_ce).sum() / sel_w.sum().clamp_min(1e-6)
     right = best == lab[valid]
     correct.index_add_(0, slot, right.float())
     hits = torch.zeros(lab.shape, dtype=torch.long)
@@ -247,16 +307,28 @@ def evaluate(draft, frozen, seqs, anchors_per_seq, gamma, seed=1234) -> dict:
 
 def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dict]:
     vocab = frozen.vocab_ids
+    dflash2 = None
+    if args.dflash2:
+        dflash2 = {"conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
+                   "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k}
     hf = draft_hf_config(target_cfg, num_layers=args.layers, block_size=args.block_size,
                          target_layer_ids=args.taps, mask_token_id=None,
                          intermediate_size=args.ffn,
-                         draft_vocab_size=None if vocab is None else int(vocab.shape[0]))
-    draft = DFlashDraftModel(DFlashConfig.from_hf(hf), max_positions=args.max_positions)
+                         draft_vocab_size=None if vocab is None else int(vocab.shape[0]),
+                         dflash2=dflash2)
+    draft = build_draft_model(draft_config(hf), max_positions=args.max_positions)
     torch.manual_seed(args.seed)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("conv.base_kernel"):
+                # identity (offset 0 weight 1) and zero dynamic kernels: a DFlash2 draft starts
+                # as the DFlash draft and learns how much to mix neighbouring block positions
+                p.zero_()
+                p[:, 0] = 1.0
+            elif name.endswith("conv.kernel_projection.weight"):
+                p.zero_()
             else:
                 torch.nn.init.normal_(p, std=0.02)
     draft.mask_embedding = torch.nn.Parameter(frozen.embed.mean(0).clone())
@@ -345,7 +417,8 @@ def train(args) -> dict:
             anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], args.anchors, rng)
             if not anchors:
                 continue
-            loss, c, n, _ = sequence_loss(draft, frozen, seq, anchors, args.gamma)
+            loss, c, n, _ = sequence_loss(draft, frozen, seq, anchors, args.gamma,
+                                          args.selector_weight)
             (loss / len(batch)).backward()
             total_loss += float(loss.detach()) / len(batch)
             correct += c
@@ -385,6 +458,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--ffn", type=int, default=1536)
     p.add_argument("--gamma", type=float, default=4.0)
+    p.add_argument("--dflash2", action="store_true",
+                   help="train a DFlash2 draft (block convolutions and candidate selector)")
+    p.add_argument("--conv-kernel-size", type=int, default=4)
+    p.add_argument("--conv-group-size", type=int, default=64)
+    p.add_argument("--selector-rank", type=int, default=32)
+    p.add_argument("--selector-top-k", type=int, default=8)
+    p.add_argument("--selector-weight", type=float, default=1.0,
+                   help="weight of the selector's cross-entropy next to the draft's (DFlash2)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="score only the N most frequent response tokens (0: the full vocabulary)")
     p.add_argument("--anchors", type=int, default=16)
