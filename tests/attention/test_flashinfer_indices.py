@@ -152,3 +152,121 @@ def test_non_causal_blocks_are_one_plan_unchanged():
                            causal=False, block_size=16)
     (part,) = split_batch(batch)
     assert part.kind == "block" and part.batch is batch and part.tokens is None
+
+
+# --------------------------------------------------------------------------- backend plumbing
+
+
+class _FakeWrapper:
+    """Stands in for FlashInfer's paged prefill wrapper on the CPU: ``run`` attends every entry
+    of the last ``plan`` over the pages its index arrays name (bottom-right causal if planned)."""
+
+    plans: list = []
+
+    def __init__(self, workspace, layout, backend="auto"):
+        self.layout, self.backend = layout, backend
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, heads, kv_heads, dim,
+             page_size, causal=False, q_data_type=None, kv_data_type=None, sm_scale=None,
+             disable_split_kv=False, fixed_split_size=None):
+        for t in (qo_indptr, kv_indptr, kv_indices, last_page_len):
+            assert t.device.type == "cpu" and t.dtype == torch.int32  # host arrays, no readback
+        self.args = (qo_indptr, kv_indptr, kv_indices, last_page_len, page_size, causal, sm_scale)
+        _FakeWrapper.plans.append({"backend": self.backend, "causal": causal,
+                                   "entries": len(qo_indptr) - 1,
+                                   "disable_split_kv": disable_split_kv})
+
+    def run(self, q, physical, k_scale=1.0, v_scale=1.0):
+        qo, kvp, pages, last, ps, causal, scale = self.args
+        assert q.shape[0] == int(qo[-1])
+        out = torch.empty_like(q)
+        for e in range(len(qo) - 1):
+            ids = pages[int(kvp[e]) : int(kvp[e + 1])].long()
+            kv_len = (len(ids) - 1) * ps + int(last[e])
+            cache = physical[ids]  # [n, 2, ps, H, D] (NHD) or [n, 2, H, ps, D] (HND)
+            if self.layout == "HND":
+                cache = cache.transpose(2, 3)
+            k = cache[:, 0].reshape(-1, *cache.shape[-2:])[:kv_len].float() * k_scale
+            v = cache[:, 1].reshape(-1, *cache.shape[-2:])[:kv_len].float() * v_scale
+            qe = q[int(qo[e]) : int(qo[e + 1])].float()
+            n = qe.shape[0]
+            group = qe.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            s = torch.einsum("qhd,khd->hqk", qe, k) * scale
+            if causal:
+                allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+                s = s.masked_fill(~allowed, float("-inf"))
+            out[int(qo[e]) : int(qo[e + 1])] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+        return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    import sys
+    import types
+
+    from attention.backends import flashinfer_backend
+
+    module = types.ModuleType("flashinfer")
+    module.BatchPrefillWithPagedKVCacheWrapper = _FakeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(flashinfer_backend, "WORKSPACE_BYTES", 16)
+    _FakeWrapper.plans = []
+    return flashinfer_backend
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("case", ["decode", "verify", "mixed", "block"])
+def test_backend_plans_once_per_step_and_matches_the_torch_backend(fake_flashinfer, layout, case):
+    """The backend's parts, plans and output scatter, run on the CPU through a reference
+    stand-in for the kernels, against the torch backend on the same pool."""
+    from attention.groups import LayerKVSpec, build_groups
+    from engine.kv_pool import KVPool
+
+    bs, heads, kv_heads, dim = 4, 4, 2, 8
+    specs = [LayerKVSpec(f"t{i}", "target", kv_heads, dim, "auto", bs) for i in range(2)]
+    groups = build_groups(specs, torch.float32)
+    pool = KVPool(list(groups.values()), num_blocks=64, layout=layout, device=torch.device("cpu"))
+    q_lens, ctx = {"decode": ([1, 1, 1], [9, 2, 14]), "verify": ([5, 1, 3], [6, 11, 0]),
+                   "mixed": ([80, 4, 1], [0, 7, 20]), "block": ([4, 4], [10, 3])}[case]
+    causal = case != "block"
+    rng = random.Random(1)
+    free = list(range(64))
+    rng.shuffle(free)
+    tables = [tuple(free.pop() for _ in range(-(-(c + q) // bs))) for q, c in zip(q_lens, ctx)]
+    gen = torch.Generator().manual_seed(0)
+    torch_backend = get_backend("torch", torch.device("cpu"))
+    for name in ("t0", "t1"):  # context K/V written by the torch backend
+        kv = pool.layer(name)
+        for t, c in zip(tables, ctx):
+            if c:
+                batch = AttentionBatch((c,), (c,), (t,), slots_for(list(t), 0, c, bs), True, bs)
+                k = torch.randn(c, kv_heads, dim, generator=gen)
+                torch_backend.build_metadata(batch, torch.device("cpu")).attend(
+                    torch.randn(c, heads, dim, generator=gen), k, k.clone(), kv, dim**-0.5)
+    slots = torch.cat([slots_for(list(t), c, c + q, bs) for t, c, q in zip(tables, ctx, q_lens)])
+    batch = AttentionBatch(tuple(q_lens), tuple(c + q for c, q in zip(ctx, q_lens)), tuple(tables),
+                           slots, causal, bs)
+    n = batch.num_tokens
+    backend = fake_flashinfer.FlashInferBackend(torch.device("cpu"))
+    meta = backend.build_metadata(batch, torch.device("cpu"))
+    ref_meta = torch_backend.build_metadata(batch, torch.device("cpu"))
+    for name in ("t0", "t1"):  # two layers: one plan per part for the whole step
+        kv = pool.layer(name)
+        q, k, v = (torch.randn(n, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+        got = meta.attend(q, k, v, kv, dim**-0.5)
+        want = ref_meta.attend(q, k, v, kv, dim**-0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    kinds = [(p["backend"], p["causal"], p["entries"], p["disable_split_kv"])
+             for p in _FakeWrapper.plans]
+    rows = sum(q for q in q_lens if q <= fake_flashinfer.ROW_MAX_Q)
+    expected = {
+        "decode": [("fa2", False, 3, True)],
+        "verify": [("fa2", False, rows, True)],
+        "mixed": [("fa2", False, rows, True), ("auto", True, 1, False)],
+        "block": [("auto", False, 2, False)],
+    }[case]
+    assert kinds == expected
+    # the next step plans again
+    backend.build_metadata(batch, torch.device("cpu")).attend(q, k, v, pool.layer("t0"), dim**-0.5)
+    assert len(_FakeWrapper.plans) == 2 * len(expected)
