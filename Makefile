@@ -8,7 +8,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench bench-offline bench-serve bench-peers train-draft clean
+.PHONY: setup serve test bench bench-offline bench-serve bench-peers train-draft docker-check clean
 
 KERNEL  := attention/csrc/build/.built
 
@@ -78,6 +78,11 @@ train-draft: setup
 	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA) --out $(DRAFT_RUN) $(TRAIN_ARGS) --resume
 	mkdir -p models/drafts/smollm2-135m-instruct-dflash
 	cp $(DRAFT_RUN)/draft/* models/drafts/smollm2-135m-instruct-dflash/
+
+# Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
+# image size and start-to-healthy seconds (starts Docker if needed, which takes root).
+docker-check:
+	bash scripts/docker_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info
