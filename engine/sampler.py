@@ -273,7 +273,7 @@ def _apply_penalties(proc: torch.Tensor, plan: _HostPlan, vocab: int) -> None:
     if any(f != 1.0 for f in plan.pen_factors[0::3]):
         prompt = torch.zeros(plan.num_pen_groups * vocab, dtype=torch.bool, device=dev)
         if plan.pen_prompt_flat:
-            prompt[_to_device(plan.pen_prompt_flat, torch.long, dev)] = True
+            prompt.index_fill_(0, _to_device(plan.pen_prompt_flat, torch.long, dev), True)
         seen = prompt.view(-1, vocab).index_select(0, groups) | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     if any(f != 0.0 for f in plan.pen_factors[1::3]) or any(f != 0.0 for f in plan.pen_factors[2::3]):
