@@ -53,7 +53,8 @@ HAS_GRAPHS = "enforce_eager" in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU (smoke test)")
     p.add_argument("--device", default=None, help="default: cuda (cpu with --tiny)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --tiny)")
@@ -100,8 +101,10 @@ def build_llm(args, folder: Path, backend: str, mode: str, spec: dict | None = N
     kwargs = dict(
         model=str(folder), load_format="dummy", dtype=args.dtype, device=args.device,
         attention_backend=backend, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=args.kv_cache_memory, max_model_len=max(args.prompt_len + [args.spec_prompt_len]) + 256,
-        max_num_seqs=max(args.batch + args.spec_batch), max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=max(args.prompt_len + [args.spec_prompt_len]) + 256,
+        max_num_seqs=max(args.batch + args.spec_batch),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         speculative_config=spec,
     )
     if HAS_GRAPHS:
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             for prompt_len in args.prompt_len:
                 for batch in args.batch:
-                    row = {"backend": backend, "mode": mode, **measure(llm, args, batch, prompt_len)}
+                    row = {"backend": backend, "mode": mode,
+                           **measure(llm, args, batch, prompt_len)}
                     report["results"].append(row)
                     print(json.dumps(row), flush=True)
             _free(llm)
@@ -321,8 +325,8 @@ def table(report: dict) -> str:
                      f"{r['tok_per_s']} | {r['ms_per_step']:.2f} | {kernel} | {busy} |")
     for s in report["speculative"]:
         for r in s["runs"]:
-            lines.append(f"\nspeculative {s['backend']} K={s['k']} batch {r['batch']}: greedy equal "
-                         f"{r['greedy_equal']} (first difference {r['first_difference']}), step "
+            lines.append(f"\nspeculative {s['backend']} K={s['k']} batch {r['batch']}: greedy "
+                         f"equal {r['greedy_equal']} (first difference {r['first_difference']}), step "
                          f"{r['spec_ms_per_step']:.2f} ms vs {r['plain_ms_per_step']:.2f} ms plain "
                          f"({r['step_cost_ratio']}x), {r['spec_tokens_per_step']} tokens/step")
     for e in report["errors"]:

@@ -173,7 +173,8 @@ class Sampler:
                 want = plan.lp_top[gi]
                 for k, tok in enumerate(emitted):
                     i = lp_pos[first + k]
-                    top = {int(top_ids[i * top_n + j]): top_vals[i * top_n + j] for j in range(want)}
+                    base = i * top_n
+                    top = {int(top_ids[base + j]): top_vals[base + j] for j in range(want)}
                     logprobs.append(Logprob(token_id=tok, logprob=chosen[i], top=top))
             results[g.request.request_id] = SampleResult(emitted, n, logprobs)
         return results
@@ -267,7 +268,8 @@ def _apply_penalties(proc: torch.Tensor, plan: _HostPlan, vocab: int) -> None:
     counts = counts.view(-1, vocab).index_select(0, groups)
     if plan.pen_draft_flat:
         idx = _to_device(plan.pen_draft_flat, torch.long, dev)
-        counts.view(-1).index_add_(0, idx, torch.ones(idx.shape[0], dtype=torch.float32, device=dev))
+        ones = torch.ones(idx.shape[0], dtype=torch.float32, device=dev)
+        counts.view(-1).index_add_(0, idx, ones)
     sub = proc.index_select(0, rows)
     rep, freq, pres = factors[:, 0:1], factors[:, 1:2], factors[:, 2:3]
     if any(f != 1.0 for f in plan.pen_factors[0::3]):
@@ -276,7 +278,7 @@ def _apply_penalties(proc: torch.Tensor, plan: _HostPlan, vocab: int) -> None:
             prompt.index_fill_(0, _to_device(plan.pen_prompt_flat, torch.long, dev), True)
         seen = prompt.view(-1, vocab).index_select(0, groups) | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if any(f != 0.0 for f in plan.pen_factors[1::3]) or any(f != 0.0 for f in plan.pen_factors[2::3]):
+    if any(f != 0.0 for i, f in enumerate(plan.pen_factors) if i % 3):
         sub = sub - freq * counts
         sub = sub - pres * (counts > 0).to(sub.dtype)
     proc.index_copy_(0, rows, sub)

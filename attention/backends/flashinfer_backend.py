@@ -220,7 +220,8 @@ class FlashInferMetadata:
             return self._run(self.parts[0], q.contiguous(), kv, scale)
         out = q.new_empty(q.shape)
         for part in self.parts:
-            out.index_copy_(0, part.tokens, self._run(part, q.index_select(0, part.tokens), kv, scale))
+            part_out = self._run(part, q.index_select(0, part.tokens), kv, scale)
+            out.index_copy_(0, part.tokens, part_out)
         return out
 
     def _run(self, part: _Part, q: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:

@@ -139,8 +139,8 @@ def test_verify_rows_get_the_same_plan_entries_as_plain_decode_rows():
     assert part.kind == "rows" and part.tokens is None
     vidx = build_paged_indices(part.batch)
     for j in range(k + 1):
-        decode = AttentionBatch((1,), (context + j + 1,), (table,), torch.zeros(1, dtype=torch.long),
-                                causal=True, block_size=bs)
+        decode = AttentionBatch((1,), (context + j + 1,), (table,),
+                                torch.zeros(1, dtype=torch.long), causal=True, block_size=bs)
         (alone,) = split_batch(decode)
         assert _entry(build_paged_indices(alone.batch), 0) == _entry(vidx, j)
 
@@ -196,7 +196,8 @@ class _FakeWrapper:
             if causal:
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
                 s = s.masked_fill(~allowed, float("-inf"))
-            out[int(qo[e]) : int(qo[e + 1])] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).to(q.dtype)
+            attn = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+            out[int(qo[e]) : int(qo[e + 1])] = attn.to(q.dtype)
         return out
 
 

@@ -35,7 +35,8 @@ def _old_process(row: torch.Tensor, req: Request, history: list[int]) -> torch.T
     params, out = req.params, row
     if len(history) < params.min_tokens:
         out = out.clone()
-        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(req.eos_token_ids))
+        banned = list(params.stop_token_ids)
+        banned += [] if params.ignore_eos else list(req.eos_token_ids)
         if banned:
             out[torch.tensor(banned, dtype=torch.long)] = float("-inf")
     if params.needs_penalties:
@@ -154,7 +155,8 @@ def test_seeded_request_is_the_same_alone_in_a_batch_and_under_speculation(param
     req = make_req(**params)
     sampler = Sampler(1234)
     neighbours = [make_req(temperature=1.0), make_req(temperature=0.0),
-                  make_req(temperature=0.8, top_p=0.9, seed=99), make_req(temperature=0.0, logprobs=2)]
+                  make_req(temperature=0.8, top_p=0.9, seed=99),
+                  make_req(temperature=0.0, logprobs=2)]
     while req.num_output_tokens < steps:
         done = req.num_output_tokens
         width = min(rng.randrange(1, 5), steps - done)
@@ -202,7 +204,8 @@ def test_one_host_transfer_per_call(monkeypatch) -> None:
         RowGroup(make_req(temperature=0.0), 0, []),
         RowGroup(make_req(temperature=0.0, logprobs=3, repetition_penalty=1.5), 1, [4, 5]),
         RowGroup(make_req(temperature=0.8, top_k=7, top_p=0.9, min_p=0.01, seed=3), 4, [1, 2]),
-        RowGroup(make_req(temperature=1.1, frequency_penalty=0.5, min_tokens=4, outputs=[3]), 7, []),
+        RowGroup(make_req(temperature=1.1, frequency_penalty=0.5, min_tokens=4, outputs=[3]), 7,
+                 []),
         RowGroup(make_req(temperature=1.0, presence_penalty=0.5, logprobs=1), 8, [6]),
     ]
     Sampler(0)(logits, groups)

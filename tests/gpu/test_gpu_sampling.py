@@ -119,7 +119,8 @@ def test_seeded_request_same_alone_and_in_a_batch_on_cuda():
     rows = _logits(16, seed=9).to(DEV)
     alone = make_req(temperature=1.0, top_p=0.9, seed=3)
     for r in rows:
-        alone.output_token_ids += Sampler(0)(r[None], [RowGroup(alone, 0, [])])[alone.request_id].tokens
+        res = Sampler(0)(r[None], [RowGroup(alone, 0, [])])[alone.request_id]
+        alone.output_token_ids += res.tokens
     req = make_req(temperature=1.0, top_p=0.9, seed=3)
     other = make_req(temperature=1.0)
     sampler = Sampler(5)
