@@ -83,13 +83,15 @@ def run_transformers(args, questions: list[str]) -> list[Row]:
     from transformers import AutoModelForCausalLM
 
     from engine.config import parse_dtype
-    from models.hf_folder import load_tokenizer
+    from engine.dtype_choice import auto_dtype
+    from models.hf_folder import load_hf_config, load_tokenizer
     from models.resolve import resolve_model_path
 
     path = resolve_model_path(args.model)
     tok = load_tokenizer(path)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(args.dtype)).eval()
+    dtype = parse_dtype(args.dtype) or auto_dtype(load_hf_config(path), torch.device("cpu"))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     prompts = prompt_sets.chat(tok, questions)
     eos = tok.eos_token_id
     rows = []

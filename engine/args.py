@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.config import (
     CacheConfig,
     ConfigError,
@@ -16,6 +18,7 @@ from engine.config import (
     parse_dtype,
     parse_memory,
 )
+from engine.dtype_choice import auto_dtype
 from models.hf_folder import load_hf_config
 from models.loader import decoder_config
 from models.resolve import DEFAULT_MODEL, builtin_model_name, resolve_model_path
@@ -56,6 +59,8 @@ class EngineArgs:
         hf = load_hf_config(path)
         dec = decoder_config(hf)
         dtype = parse_dtype(self.dtype)
+        if dtype is None:
+            dtype = auto_dtype(hf, torch.device(self.device))
         max_len = self.max_model_len or dec.max_position_embeddings
         if max_len > dec.max_position_embeddings:
             raise ConfigError(
@@ -102,10 +107,8 @@ class EngineArgs:
             draft = default_draft_for(self.model)
             if draft is None:
                 return None
-            # Measured (docs/performance.md): drafting with the shipped draft gained at 4 and 8
-            # concurrent requests in every run (+19-26% over HTTP at 4, +12-16% offline at 8)
-            # but lost 9-12% over HTTP at 16, so it drafts while at most 8 requests run.
-            return SpeculativeConfig(method="dflash", model=str(draft), disable_by_batch_size=8)
+            # the adaptive controller decides per step, from measured costs, whether drafts pay
+            return SpeculativeConfig(method="dflash", model=str(draft))
         return SpeculativeConfig.parse(self.speculative_config)
 
 

@@ -85,9 +85,10 @@ class SpeculativeConfig:
     attention_backend: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
-    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
-    # pause drafting for a request whose smoothed acceptance length falls below this
-    min_acceptance_length: float | None = None
+    # measured per-step choice of how many drafts each request verifies (engine.spec.controller);
+    # False: every request drafts and verifies num_speculative_tokens (fixed K, experiments)
+    adaptive: bool = True
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this sample
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -106,6 +107,13 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ConfigError("speculative_config must be a JSON object", "speculative_config")
         known = {f for f in cls.__dataclass_fields__}
+        if "min_acceptance_length" in value:
+            raise ConfigError(
+                "speculative_config.min_acceptance_length was replaced by the adaptive controller, "
+                "which decides per step from measured costs and acceptance whether drafts pay; "
+                "drop the key (\"adaptive\": false keeps a fixed number of drafts)",
+                "speculative_config.min_acceptance_length",
+            )
         unknown = sorted(set(value) - known)
         if unknown:
             raise ConfigError(
@@ -145,13 +153,11 @@ class SpeculativeConfig:
                 f"speculative_config.disable_by_batch_size must be an integer >= 1, got {limit!r}",
                 "speculative_config.disable_by_batch_size",
             )
-        floor = value.get("min_acceptance_length")
-        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))
-                                  or not 1.0 < floor < float("inf")):
+        adaptive = value.get("adaptive", True)
+        if not isinstance(adaptive, bool):
             raise ConfigError(
-                "speculative_config.min_acceptance_length must be a number > 1 (the acceptance "
-                f"length below which a request stops drafting), got {floor!r}",
-                "speculative_config.min_acceptance_length",
+                f"speculative_config.adaptive must be true or false, got {adaptive!r}",
+                "speculative_config.adaptive",
             )
         k = value.get("num_speculative_tokens")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -172,7 +178,9 @@ class EngineConfig:
     device: str = "cpu"
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:
+    """A model dtype by name; ``None`` for ``auto`` (resolved by measurement, see
+    ``engine.dtype_choice``, once the model's shapes and the device are known)."""
     if isinstance(name, torch.dtype):
         if name not in MODEL_DTYPES.values():
             raise ConfigError(f"Unsupported model dtype {name}", "dtype")
@@ -180,21 +188,12 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     key = str(name).lower().removeprefix("torch.")
     key = {"half": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(key, key)
     if key == "auto":
-        return default_cpu_dtype()
+        return None
     if key not in MODEL_DTYPES:
         raise ConfigError(
             f"Unsupported dtype {name!r}; valid: auto, {', '.join(MODEL_DTYPES)}", "dtype"
         )
     return MODEL_DTYPES[key]
-
-
-def default_cpu_dtype() -> torch.dtype:
-    """bfloat16 where the CPU has native bf16 matmuls (AVX512-BF16/AMX), else float32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
 
 
 def parse_memory(value: int | str) -> int:

@@ -16,17 +16,17 @@ from attention.dtypes import dtype_name
 from attention.groups import LayerKVSpec, build_groups
 from attention.layout import choose_layout
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, SpeculativeConfig
+from engine.config import EngineConfig
 from engine.kv_pool import KVPool, plan_pool
 from engine.output_processor import EngineCounters, OutputProcessor
-from engine.outputs import RequestOutput, StepPlan, StepResult
+from engine.outputs import RequestOutput, StepPlan
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec.factory import build_proposer
-from engine.spec.gate import AcceptanceGate
+from engine.spec.policy import build_controller
 from engine.spec.stats import SpecDecodingStats
 from models.hf_folder import load_generation_config, load_tokenizer
 from models.loader import load_target
@@ -87,15 +87,20 @@ class LLMEngine:
         )
         self.pool = KVPool(list(groups.values()), plan.num_blocks, cc.layout, self.device)
         self.blocks = BlockManager(plan.num_blocks, cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, lookahead)
         if self.proposer is not None:
             self.proposer.bind(self.pool, backends["draft"] if "draft" in backends else None)
         self.runner = ModelRunner(
             self.model, self.pool.layers(self.target_layers), backends["target"], self.device,
             Sampler(mc.seed), self.proposer,
-            config.speculative.disable_by_batch_size if config.speculative else None,
-            _gate(config.speculative),
         )
+        controller = None
+        if self.proposer is not None:
+            group_dtypes = {n: dtype_name(g.dtype) for n, g in groups.items()}
+            controller = build_controller(config, self.proposer, self.runner, self.blocks,
+                                          group_dtypes)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, lookahead, controller)
+        k_max = self.proposer.num_speculative_tokens if self.proposer else 0
+        self.spec_stats = controller.stats if controller else SpecDecodingStats(k_max)
         self.tokenizer = load_tokenizer(mc.path) if (mc.path / "tokenizer.json").exists() or (
             mc.path / "tokenizer_config.json").exists() else None
         gen = load_generation_config(mc.path)
@@ -104,7 +109,6 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = tuple(eos)
         self.generation_defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
-        self.spec_stats = SpecDecodingStats(self.proposer.num_speculative_tokens if self.proposer else 0)
         self.output = OutputProcessor(self.tokenizer)
         self._next_id = 0
         self.startup_info = {
@@ -206,20 +210,16 @@ class LLMEngine:
         if plan.is_empty:
             return []
         result = self.runner.execute(plan)
-        appended = self.scheduler.update(plan, result)
-        self._record_stats(plan, result)
+        appended = self.scheduler.update(plan, result)  # speculation stats included
+        self._stamp_scheduled(plan)
         return self._outputs(plan, appended)
 
-    def _record_stats(self, plan: StepPlan, result: StepResult) -> None:
+    @staticmethod
+    def _stamp_scheduled(plan: StepPlan) -> None:
         now = time.monotonic()
         for item in plan.scheduled:
-            req = item.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            if item.spec_token_ids:
-                self.spec_stats.observe(
-                    len(item.spec_token_ids), result.num_accepted.get(item.request_id, 0)
-                )
+            if item.request.first_scheduled_time is None:
+                item.request.first_scheduled_time = now
 
     def _outputs(self, plan: StepPlan, appended: dict[str, list[int]]) -> list[RequestOutput]:
         outputs = []
@@ -260,9 +260,4 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
-
-def _gate(spec: SpeculativeConfig | None) -> AcceptanceGate | None:
-    if spec is None or spec.min_acceptance_length is None:
-        return None
-    return AcceptanceGate(spec.min_acceptance_length)
 

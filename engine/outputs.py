@@ -40,13 +40,21 @@ class RequestOutput:
 
 @dataclass
 class ScheduledRequest:
+    """What the scheduler decided for one request this step; the runner only carries it out."""
+
     request: Request
     num_new_tokens: int  # tokens run through the target this step (spec tokens included)
     spec_token_ids: list[int]  # draft tokens being verified (the tail of the scheduled tokens)
+    draft: bool = False  # propose drafts for the next step (if a token is sampled)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def num_valid(self, num_accepted: int) -> int:
+        """Positions run this step that hold accepted tokens: the known tokens plus the
+        accepted drafts (the rejected tail is rolled back)."""
+        return self.num_new_tokens - len(self.spec_token_ids) + num_accepted
 
     @property
     def samples(self) -> bool:
@@ -72,9 +80,11 @@ class StepPlan:
 @dataclass
 class StepResult:
     """Per request: tokens to append (empty while a prefill chunk is in flight), how many
-    draft tokens were accepted, new draft proposals, and logprobs of appended tokens."""
+    draft tokens were accepted, new draft proposals, and logprobs of appended tokens; and the
+    step's wall time, which the speculation controller learns its cost model from."""
 
     sampled: dict[str, list[int]]
     num_accepted: dict[str, int] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    elapsed: float = 0.0  # wall seconds the runner spent on the step (models and sampling)

@@ -10,7 +10,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
-from engine.spec.gate import GateState
+from engine.spec.acceptance import DecayedRates
 
 
 class RequestStatus(enum.Enum):
@@ -37,7 +37,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    spec_gate: GateState = field(default_factory=GateState)  # see engine.spec.gate
+    spec_rates: DecayedRates | None = None  # its draft acceptance (engine.spec.acceptance)
     generator: torch.Generator | None = None
     # timestamps for metrics
     first_scheduled_time: float | None = None

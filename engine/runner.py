@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from attention.backends.base import AttentionBackend, AttentionBatch
@@ -9,7 +11,6 @@ from attention.kv import LayerKV
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.sampler import RowGroup, Sampler
 from engine.spec.base import ProposalItem, Proposer
-from engine.spec.gate import AcceptanceGate
 from models.llama import LlamaForCausalLM
 
 
@@ -29,8 +30,6 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         proposer: Proposer | None = None,
-        spec_max_batch: int | None = None,
-        gate: AcceptanceGate | None = None,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
@@ -38,12 +37,13 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.proposer = proposer
-        self.spec_max_batch = spec_max_batch  # propose only while the batch is at most this
-        self.gate = gate  # per request: no drafts while they do not pay
         self.block_size = kv_layers[0].block_size
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan exactly as scheduled: which drafts are verified and which requests
+        draft next were decided by the scheduler."""
+        t0 = time.perf_counter()
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -91,15 +91,8 @@ class ModelRunner:
                     result.logprobs[rid] = res.logprobs
         if self.proposer is not None:
             items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
-            # a large batch verifies nothing faster than it decodes
-            large = self.spec_max_batch is not None and len(items) > self.spec_max_batch
-            for it in items:
-                state = it.item.request.spec_gate
-                if self.gate is not None and it.item.spec_token_ids and it.item.samples:
-                    self.gate.observe(state, result.num_accepted.get(it.item.request_id, 0))
-                if large or (self.gate is not None and it.sampled and not self.gate.allows(state)):
-                    it.wants_draft = False
             result.drafts = self.proposer.propose(items, captured)
+        result.elapsed = time.perf_counter() - t0
         return result
 
     @staticmethod
@@ -107,14 +100,11 @@ class ModelRunner:
         item: ScheduledRequest, row_of: dict[str, int], result: StepResult
     ) -> ProposalItem:
         rid = item.request_id
-        if item.spec_token_ids:
-            valid = item.num_new_tokens - len(item.spec_token_ids) + result.num_accepted.get(rid, 0)
-        else:
-            valid = item.num_new_tokens
         return ProposalItem(
             item=item,
             start=item.request.num_computed_tokens,
-            num_valid=valid,
+            num_valid=item.num_valid(result.num_accepted.get(rid, 0)),
             row=row_of[rid],
             sampled=result.sampled.get(rid, []),
+            wants_draft=item.draft,
         )

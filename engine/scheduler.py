@@ -1,7 +1,10 @@
 """Continuous batching under a token budget, with chunked prefill and preemption by recompute.
 
 There are no phases: each running request asks for the tokens it has not computed yet (a
-prefill chunk, 1 for decode, or 1+K when verifying K draft tokens), capped by the budget.
+prefill chunk, 1 for decode, or 1+k when verifying k draft tokens), capped by the budget.
+With speculation the scheduler owns the policy: the controller (``engine.spec.controller``)
+chooses, per step, how many of its drafts each request verifies and whether it drafts next;
+the scheduler writes those choices into the plan and feeds the results back.
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.request import Request, RequestStatus
+from engine.spec.controller import Candidate, Decision, SpecController
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lookahead: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lookahead: int = 0,
+                 controller: SpecController | None = None) -> None:
         self.config = config
         self.blocks = blocks
         self.lookahead = lookahead  # extra slots a request needs for the next draft block
+        self.controller = controller
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -58,14 +64,16 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(scheduled=[])
+        decisions, fresh = self._speculation_decisions()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            spec = self._trim_spec(req, budget)
+            decision = decisions.get(req.request_id, Decision(0, fresh))
+            spec = self._trim_spec(req, budget)[: decision.k]
             num_new = min(req.num_tokens - req.num_computed_tokens + len(spec), budget)
             if not self._reserve(req, num_new, plan):
                 break  # req itself was preempted; everything after it already was
-            plan.scheduled.append(ScheduledRequest(req, num_new, spec))
+            plan.scheduled.append(ScheduledRequest(req, num_new, spec, decision.draft))
             budget -= num_new
             i += 1
         while (
@@ -82,18 +90,45 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            plan.scheduled.append(ScheduledRequest(req, num_new, []))
+            plan.scheduled.append(ScheduledRequest(req, num_new, [], fresh))
             budget -= num_new
         return plan
+
+    def _speculation_decisions(self) -> tuple[dict[str, Decision], bool]:
+        """The controller's choice for every running request that will sample this step, and
+        whether a request sampling for the first time (end of its prefill) drafts."""
+        ctl = self.controller
+        if ctl is None:
+            return {}, False
+        cands: list[Candidate] = []
+        sampling: list[str] = []
+        other = 0
+        for req in self.running:
+            remaining = req.num_tokens - req.num_computed_tokens
+            if req.is_prefilling:
+                other += remaining
+                continue
+            sampling.append(req.request_id)
+            cands.append(Candidate(req.spec_rates, len(req.spec_token_ids),
+                                   self._spec_room(req, self.config.max_num_batched_tokens),
+                                   remaining))
+        decisions = dict(zip(sampling, ctl.plan(cands, other)))
+        fresh = False
+        if self.waiting or len(sampling) < len(self.running):
+            fresh = ctl.fresh_request_drafts(len(self.running) + 1)
+        return decisions, fresh
 
     def _trim_spec(self, req: Request, budget: int) -> list[int]:
         """Drafts to verify this step, never past the budget, context or ``max_tokens``."""
         if not req.spec_token_ids or req.is_prefilling:
             return []
+        return req.spec_token_ids[: self._spec_room(req, budget)]
+
+    def _spec_room(self, req: Request, budget: int) -> int:
         room = min(budget - 1, self.config.max_model_len - req.num_tokens)
         if req.params.max_tokens is not None:
             room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-        return req.spec_token_ids[: max(0, room)]
+        return max(0, room)
 
     def _slots(self, req: Request, num_new: int) -> int:
         end = req.num_computed_tokens + num_new
@@ -128,16 +163,21 @@ class Scheduler:
         Returns the tokens appended per request (after truncation at a stop).
         """
         appended: dict[str, list[int]] = {}
+        ctl = self.controller
+        if ctl is not None:
+            drafted = sum(1 for item in plan.scheduled if item.draft and item.samples)
+            ctl.observe_step(len(plan.scheduled), plan.num_tokens, drafted, result.elapsed)
         for item in plan.scheduled:
             req = item.request
             if req.is_finished or req.status != RequestStatus.RUNNING:
                 continue
             rid = req.request_id
-            if item.spec_token_ids:
-                accepted = result.num_accepted.get(rid, 0)
-                req.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids) + accepted
-            else:
-                req.num_computed_tokens += item.num_new_tokens
+            accepted = result.num_accepted.get(rid, 0)
+            req.num_computed_tokens += item.num_valid(accepted)
+            if ctl is not None and rid in result.sampled:
+                if req.spec_rates is None:
+                    req.spec_rates = ctl.acceptance.new_request()
+                ctl.observe(req.spec_rates, len(item.spec_token_ids), accepted)
             req.spec_token_ids = []
             tokens = result.sampled.get(rid, [])
             logprobs = result.logprobs.get(rid)

@@ -61,6 +61,7 @@ class EngineSnapshot:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
+    steps_by_k: tuple[int, ...] = ()  # sampling steps that verified k = 0..K drafts
     num_blocks: int = 0
 
     @classmethod
@@ -73,6 +74,7 @@ class EngineSnapshot:
             num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
             accepted_per_pos=tuple(s.num_accepted_tokens_per_pos),
+            steps_by_k=tuple(s.num_steps_by_k),
             num_blocks=int(engine.startup_info.get("num_blocks", 0)),
         )
 

@@ -86,6 +86,13 @@ class _EngineCollector(Collector):
         for pos, count in enumerate(s.accepted_per_pos):
             per_pos.add_metric([*self._values, str(pos)], count)
         yield per_pos
+        by_k = CounterMetricFamily(
+            "specserve:spec_decode_verify_steps",
+            "Sampling steps of a request by the number k of drafts the speculation controller "
+            "had it verify (k = 0: a plain decode).", labels=[*self._names, "k"])
+        for k, count in enumerate(s.steps_by_k):
+            by_k.add_metric([*self._values, str(k)], count)
+        yield by_k
 
 
 class ServingMetrics:
@@ -163,6 +170,11 @@ class StatLogger:
                  "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Preemptions: %d",
                  prompt / elapsed, gen / elapsed, s.running, s.waiting, 100 * s.kv_usage,
                  s.num_preemptions)
+        steps = [c - (prev.steps_by_k[k] if k < len(prev.steps_by_k) else 0)
+                 for k, c in enumerate(s.steps_by_k)]
+        if sum(steps):
+            log.info("SpecDecoding choices: verified k = 0..%d drafts in %s of %d request steps",
+                     len(steps) - 1, "/".join(str(n) for n in steps), sum(steps))
         drafts = s.num_drafts - prev.num_drafts
         if drafts <= 0:
             return

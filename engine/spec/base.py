@@ -25,7 +25,7 @@ class ProposalItem:
     num_valid: int
     row: int
     sampled: list[int]
-    wants_draft: bool = True  # False when speculation is paused (large batch): context only
+    wants_draft: bool = True  # the scheduler's choice; False: update the draft context only
 
 
 class Proposer(Protocol):

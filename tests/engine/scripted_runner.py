@@ -24,6 +24,9 @@ from engine.outputs import StepPlan, StepResult
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec.acceptance import AcceptanceModel
+from engine.spec.controller import SpecController
+from engine.spec.stats import SpecDecodingStats
 
 WRONG = 10_000  # a token id no script uses
 
@@ -104,11 +107,19 @@ class ScriptedRunner:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   lookahead: int = 0) -> Scheduler:
+                   lookahead: int = 0, controller: SpecController | None = None) -> Scheduler:
+    """A scheduler whose speculation (when a test gives requests drafts) verifies every draft
+    it can, unless the test passes its own controller."""
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len)
-    return Scheduler(config, BlockManager(num_blocks, block_size), lookahead)
+    if controller is None:
+        controller = fixed_k_controller(64)
+    return Scheduler(config, BlockManager(num_blocks, block_size), lookahead, controller)
+
+
+def fixed_k_controller(k: int) -> SpecController:
+    return SpecController(k, AcceptanceModel(k), None, SpecDecodingStats(k), adaptive=False)
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int | None = 8, eos: tuple = (),

@@ -283,7 +283,7 @@ def test_abort_frees_blocks(tiny_llama_dir) -> None:
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "adaptive": False}  # fixed K: every step verifies
 
 
 def test_ngram_speculation_keeps_greedy_output(tiny_model_dir) -> None:

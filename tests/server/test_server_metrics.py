@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from srvutil import MODEL, RunningServer, start_server
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # verifies every step
 # Repetitive text: prompt-lookup drafts get accepted.
 PROMPT = "a b c d e f g a b c d e f g a b c d e f g a b c d e f g a b c"
 
@@ -18,7 +18,7 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
 COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
             "vllm:num_preemptions", "vllm:spec_decode_num_drafts",
             "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
-            "vllm:spec_decode_num_accepted_tokens_per_pos")
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "specserve:spec_decode_verify_steps")
 HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
               "vllm:e2e_request_latency_seconds")
 
@@ -50,6 +50,8 @@ def test_exposition_parses_with_vllm_names_and_labels(srv: RunningServer) -> Non
     positions = [s.labels["position"]
                  for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples]
     assert positions == ["0", "1", "2"]
+    ks = [s.labels["k"] for s in families["specserve:spec_decode_verify_steps"].samples]
+    assert ks == ["0", "1", "2", "3"]
     info = families["vllm:cache_config_info"].samples[0]
     assert info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
 
@@ -81,6 +83,9 @@ def test_counters_move_with_requests(srv: RunningServer) -> None:
                for p in range(3)]
     assert drafts > 0 and draft_tokens >= drafts and 0 < accepted <= draft_tokens
     assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    by_k = [delta(f'specserve:spec_decode_verify_steps_total{{k="{k}"}}') for k in range(4)]
+    assert sum(by_k[1:]) == drafts and sum(k * n for k, n in enumerate(by_k)) == draft_tokens
+    assert by_k[0] >= 2  # each request's first token comes from its prefill, with no drafts
     assert after["vllm:num_requests_running{}"] == 0
     assert after["vllm:kv_cache_usage_perc{}"] == 0
 

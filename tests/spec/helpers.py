@@ -108,8 +108,13 @@ def edit_json(path: Path, **changes) -> None:
 # -- running ---------------------------------------------------------------------------------
 
 def make_llm(model, spec=None, **kwargs) -> LLM:
+    """An engine on a tiny model. A speculative config dict verifies a fixed number of drafts
+    (``"adaptive": false``) unless it says otherwise: these tests exercise verification itself,
+    which the adaptive controller would (rightly) skip for drafts that rarely hit."""
     args = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 192}
     args.update(kwargs)
+    if isinstance(spec, dict):
+        spec = {"adaptive": False, **spec}
     return LLM(model=str(model), speculative_config=spec, **args)
 
 

@@ -30,23 +30,30 @@ def test_shipped_draft_is_exact_and_accepts(prompts):
     params = SamplingParams(max_tokens=96, temperature=0)
     common = dict(model="smollm2-135m-instruct", dtype="float32", max_model_len=1024,
                   kv_cache_memory="128MiB")
-    default = LLM(**common).engine  # the default speculative config: the shipped draft
+    default_llm = LLM(**common)  # the default speculative config: the shipped draft, adaptive
+    default = default_llm.engine
     assert default.config.speculative.method == "dflash"
+    assert default.config.speculative.adaptive
     assert default.config.speculative.model == str(default_draft_for("smollm2-135m-instruct"))
     proposer = default.proposer
     assert proposer.num_speculative_tokens == 7
     # it scores a reduced vocabulary: a slice of the target's LM head, not all 49152 rows
     assert proposer.draft.draft_token_ids is not None
     assert proposer._head.shape[0] == proposer.draft.config.draft_vocab_size < 49152
-    # acceptance of the draft itself, without the default's gates (they skip weak drafts)
-    spec = LLM(speculative_config={"method": "dflash", "model": default.config.speculative.model},
-               **common)
+    # acceptance of the draft itself, verifying all 7 drafts every step (fixed K)
+    spec = LLM(speculative_config={"method": "dflash", "model": default.config.speculative.model,
+                                   "adaptive": False}, **common)
     plain = LLM(speculative_config="none", **common)
     assert plain.engine.proposer is None
     for prompt in prompts:  # one at a time: single-stream decoding, as served
         want = plain.generate([prompt], params)[0].outputs[0].token_ids
         got = spec.generate([prompt], params)[0].outputs[0].token_ids
         assert got == want
+        assert default_llm.generate([prompt], params)[0].outputs[0].token_ids == want
+    # all three prompts at once through the adaptive default: still the same tokens
+    together = default_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in together] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     stats = spec.get_spec_decoding_stats()
     assert stats.num_drafts > 0
     assert stats.mean_acceptance_length > 1.5, stats

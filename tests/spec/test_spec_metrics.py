@@ -153,7 +153,7 @@ def test_disable_by_batch_size_pauses_drafts_but_keeps_output(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     base = LLM(model=str(target), dtype="float32", speculative_config=None,
                kv_cache_memory="16MiB").generate(prompts, params)
-    spec = {"method": "dflash", "model": str(draft)}
+    spec = {"method": "dflash", "model": str(draft), "adaptive": False}
     paused = LLM(model=str(target), dtype="float32", kv_cache_memory="16MiB",
                  speculative_config={**spec, "disable_by_batch_size": 2})
     out = paused.generate(prompts, params)

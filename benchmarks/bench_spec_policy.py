@@ -1,0 +1,149 @@
+"""Speculation policy benchmark: no speculation vs fixed K vs the adaptive default.
+
+Offline ``LLM.generate``, greedy, natural stops, the default model with its shipped DFlash
+draft. For each prompt set and concurrency the three engines run the same prompts in turn
+(side by side in time, so machine drift hits all three alike); greedy outputs must agree
+token for token (the script counts mismatches). Reports output tok/s, the ratio to no
+speculation, the mean acceptance length of the verified drafts and, for the adaptive engine,
+how often each k = 0..K was verified.
+
+Sets: ``gsm8k`` (GSM8K test), ``chat`` (the 50 held-out self-instruct prompts plus
+``benchmarks/data/chat_heldout.jsonl``, general chat and code requests written for this
+benchmark; none of them was used to train the draft).
+
+    python benchmarks/bench_spec_policy.py --concurrency 1 4 16 32 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchmarks import prompts as prompt_sets  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.args import default_draft_for  # noqa: E402
+
+CHAT_FILE = Path(__file__).resolve().parent / "data" / "chat_heldout.jsonl"
+SYSTEMS = ("none", "fixed", "adaptive")
+
+
+def chat_questions() -> list[str]:
+    from dflash_data import held_out_prompts
+
+    own = [r["prompt"] for r in prompt_sets.read_jsonl(CHAT_FILE)]
+    # interleave, so that any prefix mixes both sources
+    held = held_out_prompts()
+    out = []
+    for i in range(max(len(own), len(held))):
+        out += [p[i] for p in (held, own) if i < len(p)]
+    return out
+
+
+def cpu_description() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                  if ln.startswith("flags")), [])
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model} ({', '.join(simd) or 'no AVX2'})"
+
+
+def measure(llm: LLM, prompts: list[str], concurrency: int, params: SamplingParams) -> dict:
+    s0 = llm.get_spec_decoding_stats()
+    before = (s0.num_drafts, s0.num_accepted_tokens, list(s0.num_steps_by_k))
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        outputs += [o.outputs[0].token_ids for o in llm.generate(prompts[i:i + concurrency],
+                                                                  params)]
+    seconds = time.perf_counter() - start
+    s1 = llm.get_spec_decoding_stats()
+    drafts = s1.num_drafts - before[0]
+    accepted = s1.num_accepted_tokens - before[1]
+    by_k = [a - b for a, b in zip(s1.num_steps_by_k, before[2])] if before[2] else []
+    tokens = sum(len(o) for o in outputs)
+    return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+            "acceptance_length": 1 + accepted / drafts if drafts else None,
+            "steps_by_k": by_k, "outputs": outputs}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--draft", default="default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--sets", nargs="+", default=["gsm8k", "chat"], choices=["gsm8k", "chat"])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 32])
+    p.add_argument("--single-prompts", type=int, default=4,
+                   help="prompts run one at a time for the single-stream figure")
+    p.add_argument("--waves", type=int, default=1,
+                   help="batches of C prompts per concurrency level C > 1")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    draft = default_draft_for(args.model) if args.draft == "default" else Path(args.draft)
+    if draft is None:
+        raise SystemExit("No shipped draft for this model; pass --draft PATH")
+    common = dict(model=args.model, dtype=args.dtype, max_model_len=2048,
+                  max_num_seqs=max(args.concurrency))
+    specs = {"none": None,
+             "fixed": {"method": "dflash", "model": str(draft), "adaptive": False},
+             "adaptive": {"method": "dflash", "model": str(draft)}}
+    t0 = time.perf_counter()
+    llms = {name: LLM(speculative_config=specs[name], **common) for name in SYSTEMS}
+    startup = time.perf_counter() - t0
+    tok = llms["none"].get_tokenizer()
+    k = llms["fixed"].engine.proposer.num_speculative_tokens
+    questions = {"gsm8k": lambda n: prompt_sets.gsm8k_questions("test", n),
+                 "chat": lambda n: chat_questions()[:n]}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    warm = prompt_sets.chat(tok, ["Say hello."])
+    for llm in llms.values():
+        llm.generate(warm, params)
+    report = {"cpu": cpu_description(), "dtype": str(llms["none"].engine.config.model.dtype),
+              "k_max": k, "max_tokens": args.max_tokens, "startup_s": startup, "rows": []}
+    print(f"# {report['cpu']}, {report['dtype']}, K = {k}, {args.max_tokens} tokens, greedy")
+    print("| set | concurrency | none tok/s | fixed K tok/s (x) | adaptive tok/s (x) | "
+          "acceptance fixed / adaptive | adaptive k = 0..K | mismatches |")
+    print("|---|---|---|---|---|---|---|---|")
+    for set_name in args.sets:
+        for c in args.concurrency:
+            n = args.single_prompts if c == 1 else c * args.waves
+            prompts = prompt_sets.chat(tok, questions[set_name](n))
+            res = {name: measure(llms[name], prompts, c, params) for name in SYSTEMS}
+            base = res["none"]["outputs"]
+            mismatches = sum(res[s]["outputs"] != base for s in ("fixed", "adaptive"))
+            row = {"set": set_name, "concurrency": c, "prompts": len(prompts),
+                   "mismatches": mismatches,
+                   **{name: {key: v for key, v in r.items() if key != "outputs"}
+                      for name, r in res.items()}}
+            report["rows"].append(row)
+            none, fixed, adap = (res[s]["tok_s"] for s in SYSTEMS)
+
+            def acc(s: str) -> str:
+                a = res[s]["acceptance_length"]
+                return f"{a:.2f}" if a else "-"
+
+            print(f"| {set_name} | {c} | {none:.1f} | {fixed:.1f} ({fixed / none:.2f}x) | "
+                  f"{adap:.1f} ({adap / none:.2f}x) | {acc('fixed')} / {acc('adaptive')} | "
+                  f"{'/'.join(map(str, res['adaptive']['steps_by_k']))} | {mismatches} |",
+                  flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Acceptance model: how many draft tokens a request is expected to get accepted.
+
+A verification of ``k`` drafts with ``n`` accepted observes positions ``1..min(n+1, k)``:
+positions ``1..n`` were accepted given their predecessors were, position ``n+1`` (when
+``n < k``) was rejected, and later positions were not observed. Each position ``j`` therefore
+has a conditional acceptance rate ``a_j = P(accept j | accepted 1..j-1)``, estimated from
+exponentially decayed counts.
+
+Two levels share one update rule: an engine-wide curve (the draft's behaviour on the live
+traffic, seeded from the curve measured when the draft was evaluated and stored beside it) and
+one curve per request, whose prior is the engine-wide curve. A new request therefore starts
+from what the draft does on the current traffic and moves to its own rate within a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("specserve.spec")
+
+ACCEPTANCE_FILE = "acceptance.json"  # beside a draft: {"conditional": [a_1, ..., a_K], ...}
+DEFAULT_PRIOR = 0.5  # per position, when the draft ships no measured curve
+
+
+@dataclass
+class DecayedRates:
+    """Per-position conditional acceptance from decayed (hits, trials) counts plus a prior."""
+
+    hits: list[float]
+    trials: list[float]
+    decay: float
+
+    @classmethod
+    def empty(cls, k: int, decay: float) -> DecayedRates:
+        return cls([0.0] * k, [0.0] * k, decay)
+
+    def observe(self, num_verified: int, num_accepted: int) -> None:
+        for j in range(min(num_verified, num_accepted + 1)):
+            self.hits[j] = self.decay * self.hits[j] + (1.0 if j < num_accepted else 0.0)
+            self.trials[j] = self.decay * self.trials[j] + 1.0
+
+    def rates(self, prior: list[float], prior_weight: float) -> list[float]:
+        return [(h + prior_weight * p) / (t + prior_weight)
+                for h, t, p in zip(self.hits, self.trials, prior)]
+
+
+class AcceptanceModel:
+    """Engine-wide and per-request conditional acceptance curves for ``K`` positions."""
+
+    def __init__(self, k: int, seed_curve: list[float] | None = None, *,
+                 seed_weight: float = 16.0, global_decay: float = 0.995,
+                 request_weight: float = 3.0, request_decay: float = 0.85) -> None:
+        self.k = k
+        curve = list(seed_curve or [])[:k]
+        curve += [curve[-1] if curve else DEFAULT_PRIOR] * (k - len(curve))
+        self.seed = [min(max(a, 0.0), 1.0) for a in curve]
+        self.seed_weight = seed_weight
+        self.request_weight = request_weight
+        self.request_decay = request_decay
+        self.global_counts = DecayedRates.empty(k, global_decay)
+
+    def new_request(self) -> DecayedRates:
+        return DecayedRates.empty(self.k, self.request_decay)
+
+    def global_rates(self) -> list[float]:
+        return self.global_counts.rates(self.seed, self.seed_weight)
+
+    def rates(self, state: DecayedRates | None, prior: list[float] | None = None) -> list[float]:
+        """Conditional acceptance per position for a request (``None``: a fresh one)."""
+        prior = self.global_rates() if prior is None else prior
+        return prior if state is None else state.rates(prior, self.request_weight)
+
+    def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
+        if num_verified <= 0:
+            return
+        state.observe(num_verified, num_accepted)
+        self.global_counts.observe(num_verified, num_accepted)
+
+
+def expected_gains(rates: list[float]) -> list[float]:
+    """``g_j = a_1 * ... * a_j``: the chance that draft ``j`` is accepted (non-increasing)."""
+    out, p = [], 1.0
+    for a in rates:
+        p *= a
+        out.append(p)
+    return out
+
+
+def load_seed_curve(draft_dir: str | Path | None) -> list[float] | None:
+    """The conditional acceptance curve measured for a draft (``acceptance.json``), if any.
+
+    A missing file means no seed; a malformed one is logged and ignored, never fatal.
+    """
+    if draft_dir is None:
+        return None
+    path = Path(draft_dir) / ACCEPTANCE_FILE
+    if not path.is_file():
+        return None
+    try:
+        curve = json.loads(path.read_text())["conditional"]
+        if not curve or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in curve):
+            raise ValueError("'conditional' must be a non-empty list of numbers in [0, 1]")
+        return [float(a) for a in curve]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return None

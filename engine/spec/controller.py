@@ -1,0 +1,161 @@
+"""The speculation controller: per step, how many drafts each request verifies.
+
+Called by the scheduler once per step with the requests that sample this step. For request
+``i`` verifying ``k_i`` drafts, the expected tokens it gains are ``1 + g_i1 + ... + g_ik``
+(``g_ij`` = chance draft ``j`` is accepted, from the acceptance model), and the step costs
+``step_time(rows, base + sum k_i) + draft_time(#drafting)`` (from the measured cost model).
+The controller maximises expected tokens per second of the whole batch: for a fixed number of
+extra query tokens ``M`` the best choice is the ``M`` largest gains (each request's gains do
+not increase with ``j``, so they are taken in order), so it evaluates every ``M`` and keeps
+the best. ``k = 0`` is a plain decode. Whether a request drafts for the next step is decided
+with the draft pass counted (the steady-state rate); how many of the drafts it holds now are
+verified is decided without it, since that pass is already paid for.
+
+A request that stops drafting stops producing evidence, so the controller probes: every
+``probe_interval`` steps (doubling while probes keep finding that nobody's drafts pay, up to
+``max_probe_interval``) every request drafts once, and the next step verifies at least one
+draft each, which refreshes both the acceptance and the verification cost estimates.
+With ``adaptive=False`` every request drafts and verifies all it can (fixed K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.spec.acceptance import AcceptanceModel, DecayedRates, expected_gains
+from engine.spec.cost import StepCostModel
+from engine.spec.stats import SpecDecodingStats
+
+
+@dataclass
+class Candidate:
+    """A request that samples this step."""
+
+    state: DecayedRates | None  # its acceptance counts (None: fresh request)
+    available: int  # drafts it holds for this step
+    cap: int  # at most this many may be verified (budget, context, max_tokens)
+    tokens: int  # query tokens it runs without drafts (1 for decode, a chunk for prefill)
+
+
+@dataclass
+class Decision:
+    k: int  # drafts to verify this step
+    draft: bool  # whether to propose drafts for the next step
+
+
+class SpecController:
+    def __init__(self, k_max: int, acceptance: AcceptanceModel, cost: StepCostModel | None,
+                 stats: SpecDecodingStats, *, adaptive: bool = True,
+                 max_batch: int | None = None, probe_interval: int = 8,
+                 max_probe_interval: int = 256) -> None:
+        if adaptive and cost is None:
+            raise ValueError("the adaptive controller needs a step cost model")
+        self.k_max = k_max
+        self.acceptance = acceptance
+        self.cost = cost
+        self.stats = stats
+        self.adaptive = adaptive
+        self.max_batch = max_batch  # no drafts while more requests than this sample
+        self.first_probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.probe_interval = probe_interval
+        self._steps_to_probe = probe_interval
+        self._verify_probe = False  # the step after a probe verifies at least one draft
+        self.on_refined: Callable[[StepCostModel], None] | None = None  # persist the costs
+        self.refine_save_every = 1000  # steps
+        self._steps_since_save = 0
+
+    # -- decisions ---------------------------------------------------------------------------
+    def plan(self, cands: list[Candidate], other_tokens: int = 0) -> list[Decision]:
+        """One decision per candidate. ``other_tokens``: query tokens of scheduled requests
+        that do not sample this step (prefill chunks)."""
+        if not cands:
+            return []
+        if self.max_batch is not None and len(cands) > self.max_batch:
+            return [Decision(0, False) for _ in cands]
+        if not self.adaptive:
+            return [Decision(min(self.k_max, c.available, c.cap), True) for c in cands]
+        # Drafts for the next step are made where they pay with the draft pass counted; the
+        # drafts held now were paid for last step, so verification leaves that cost out.
+        draft_ks = self._optimal_ks(cands, other_tokens, count_draft=True)
+        verify_ks = (self._optimal_ks(cands, other_tokens, count_draft=False)
+                     if any(c.available for c in cands) else [0] * len(cands))
+        if self._verify_probe:  # a probe's drafts: verify one at least, to measure its cost
+            verify_ks = [max(1, v) for v in verify_ks]
+        probe = self._probe_due(any(k > 0 for k in draft_ks))
+        self._verify_probe = probe
+        return [Decision(min(v, c.available, c.cap), d > 0 or probe)
+                for c, v, d in zip(cands, verify_ks, draft_ks)]
+
+    def _probe_due(self, some_draft: bool) -> bool:
+        self._steps_to_probe -= 1
+        if self._steps_to_probe > 0:
+            return False
+        # a probe while nobody drafts that still finds nothing worth drafting makes the next
+        # probe wait longer; as soon as drafting pays anywhere, probing is frequent again
+        if some_draft:
+            self.probe_interval = self.first_probe_interval
+        else:
+            self.probe_interval = min(self.max_probe_interval, 2 * self.probe_interval)
+        self._steps_to_probe = self.probe_interval
+        return True
+
+    def fresh_request_drafts(self, batch_rows: int) -> bool:
+        """Whether a request entering a batch of ``batch_rows`` would draft (prior curve)."""
+        if self.max_batch is not None and batch_rows > self.max_batch:
+            return False
+        if not self.adaptive:
+            return True
+        c = Candidate(None, self.k_max, self.k_max, 1)
+        return self._optimal_ks([c] * max(1, batch_rows), 0, count_draft=True)[0] > 0
+
+    def _optimal_ks(self, cands: list[Candidate], other_tokens: int, *,
+                    count_draft: bool) -> list[int]:
+        cost = self.cost
+        assert cost is not None
+        prior = self.acceptance.global_rates()
+        steps: list[tuple[float, int]] = []  # (gain, candidate) for every possible extra token
+        for i, c in enumerate(cands):
+            limit = min(self.k_max, c.cap)
+            for g in expected_gains(self.acceptance.rates(c.state, prior))[:limit]:
+                if g < 1e-3:
+                    break
+                steps.append((g, i))
+        steps.sort(key=lambda s: -s[0])  # stable: a request's gains stay in order
+        rows = len(cands)
+        base = other_tokens + sum(c.tokens for c in cands)
+        tokens_now = float(rows)  # expected tokens generated by the step
+        best_m, best_rate = 0, tokens_now / cost.step_time(rows, base)
+        drafting: set[int] = set()
+        for m, (g, i) in enumerate(steps, start=1):
+            tokens_now += g
+            drafting.add(i)
+            t = cost.step_time(rows, base + m)
+            if count_draft:
+                t += cost.draft_time(len(drafting))
+            rate = tokens_now / t
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        ks = [0] * rows
+        for _, i in steps[:best_m]:
+            ks[i] += 1
+        return ks
+
+    # -- feedback ------------------------------------------------------------------------------
+    def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
+        """One sampling request's step: ``num_verified`` drafts (0: a plain decode)."""
+        self.stats.observe_choice(num_verified)
+        if num_verified > 0:
+            self.acceptance.observe(state, num_verified, num_accepted)
+            self.stats.observe(num_verified, num_accepted)
+
+    def observe_step(self, rows: int, tokens: int, drafted_rows: int, seconds: float) -> None:
+        """One real step's wall time refines the cost model (saved now and then)."""
+        if self.cost is None:
+            return
+        self.cost.observe(rows, tokens, drafted_rows, seconds)
+        self._steps_since_save += 1
+        if self.on_refined is not None and self._steps_since_save >= self.refine_save_every:
+            self._steps_since_save = 0
+            self.on_refined(self.cost)

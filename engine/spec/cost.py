@@ -1,0 +1,201 @@
+"""Step cost model, measured on the machine it runs on.
+
+``step_time(rows, tokens)`` is the time of one engine step (target forward, sampling, the
+draft's context update) with ``rows`` requests and ``tokens`` query tokens in all;
+``draft_time(rows)`` is what a DFlash block pass for ``rows`` requests adds. Both come from a
+grid measured at startup with the real runner on synthetic requests (rows 1, 4, 16, 64 and
+1, 2, 4, 8, ... tokens per row, within a few seconds), interpolated in between, cached per
+machine and model, and refined online from the timings of real steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.outputs import ScheduledRequest, StepPlan
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.block_manager import BlockManager
+    from engine.runner import ModelRunner
+
+log = logging.getLogger("specserve.spec")
+
+CALIBRATION_CONTEXT = 96  # context length of the synthetic requests
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear; extrapolates with the last segment's slope (never below 0)."""
+    if len(xs) == 1:
+        return ys[0] * (x / xs[0])
+    if x <= xs[0]:
+        return ys[0]
+    i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class StepCostModel:
+    rows: list[int]  # ladder of batch rows
+    per_row: list[int]  # ladder of query tokens per row
+    table: list[list[float]]  # seconds; table[i][j]: rows[i] rows of per_row[j] tokens
+    draft: list[float]  # seconds a draft pass adds for rows[i] rows (0 without a draft model)
+    smoothing: float = 0.1  # online refinement weight of one step
+
+    def _row_curve(self, i: int, tokens_per_row: float) -> float:
+        return _interp(self.per_row, self.table[i], tokens_per_row)
+
+    def step_time(self, rows: int, tokens: int) -> float:
+        rows = max(1, rows)
+        q = max(1.0, tokens / rows)
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self._row_curve(i, q)
+        if i == 0:
+            return self._row_curve(0, q)
+        if i == len(self.rows):  # beyond the ladder: time grows with the rows
+            return self._row_curve(i - 1, q) * rows / self.rows[-1]
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        t0, t1 = self._row_curve(i - 1, q), self._row_curve(i, q)
+        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+
+    def draft_time(self, rows: int) -> float:
+        if rows <= 0:
+            return 0.0
+        return _interp([float(r) for r in self.rows], self.draft, float(rows))
+
+    # -- online refinement ---------------------------------------------------------------------
+    def _nearest(self, rows: int, q: float) -> tuple[int, int]:
+        i = min(range(len(self.rows)), key=lambda n: abs(math.log(self.rows[n] / rows)))
+        j = min(range(len(self.per_row)), key=lambda n: abs(self.per_row[n] - q))
+        return i, j
+
+    def observe(self, rows: int, tokens: int, drafted_rows: int, seconds: float) -> None:
+        """Fold one real step's wall time into the nearest grid cell (or the draft curve)."""
+        if rows <= 0 or seconds <= 0:
+            return
+        q = tokens / rows
+        if q > self.per_row[-1] or rows > 2 * self.rows[-1]:
+            return  # prefill-sized steps are outside the grid the controller decides on
+        a = self.smoothing
+        base = self.step_time(rows, tokens)
+        i, j = self._nearest(rows, q)
+        if drafted_rows > 0:
+            d = self._nearest(drafted_rows, 1.0)[0]
+            residual = min(max(0.0, seconds - base), 2 * self.draft[d] + base)
+            self.draft[d] = (1 - a) * self.draft[d] + a * residual
+        elif base > 0:
+            # one step moves a cell by at most 2**a: a stall of the machine is not a trend
+            self.table[i][j] *= min(2.0, max(0.5, seconds / base)) ** a
+
+    # -- persistence -----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "per_row": self.per_row, "table": self.table,
+                "draft": self.draft}
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepCostModel:
+        rows = [int(r) for r in data["rows"]]
+        per_row = [int(q) for q in data["per_row"]]
+        table = [[float(t) for t in line] for line in data["table"]]
+        draft = [float(t) for t in data["draft"]]
+        ok = (rows == sorted(set(rows)) and per_row == sorted(set(per_row)) and rows
+              and per_row and len(table) == len(rows) and len(draft) == len(rows)
+              and all(len(line) == len(per_row) for line in table)
+              and all(t >= 0 and math.isfinite(t) for line in table for t in line)
+              and all(t >= 0 and math.isfinite(t) for t in draft))
+        if not ok:
+            raise ValueError("inconsistent step cost table")
+        return cls(rows, per_row, table, draft)
+
+    def describe(self) -> str:
+        """One log line: ms per step at 1 token per row and at the largest block, per rows."""
+        parts = []
+        for i, r in enumerate(self.rows):
+            parts.append(f"{r}x1 {1e3 * self.table[i][0]:.1f}ms "
+                         f"{r}x{self.per_row[-1]} {1e3 * self.table[i][-1]:.1f}ms "
+                         f"draft +{1e3 * self.draft[i]:.1f}ms")
+        return "; ".join(parts)
+
+
+def ladder(limit: int, factor: int = 2) -> list[int]:
+    out, r = [], 1
+    while r < limit:
+        out.append(r)
+        r *= factor
+    out.append(limit)
+    return out
+
+
+def measure_step_costs(
+    runner: ModelRunner, blocks: BlockManager, *, max_rows: int, max_per_row: int,
+    max_tokens: int, with_draft: bool, vocab_size: int, lookahead: int, max_model_len: int,
+    repeats: int = 2, time_budget: float = 4.0,
+) -> StepCostModel:
+    """Time real runner steps on synthetic requests (their pages are scratch: the blocks are
+    taken from and returned to the pool before any request arrives).
+
+    Rows are measured from small to large until ``time_budget`` seconds are spent; rows past
+    that are extrapolated in proportion to the rows (online refinement corrects them).
+    """
+    rows_ladder = [r for r in ladder(max_rows, 4) if r <= max_tokens]
+    per_row = ladder(max_per_row)
+    room = blocks.num_free_blocks * blocks.block_size - max_per_row - lookahead
+    ctx = max(1, min(CALIBRATION_CONTEXT, room, max_model_len - max_per_row))
+    table_ids: list[int] = []
+    blocks.grow(table_ids, ctx + max_per_row + lookahead)
+    gen = torch.Generator().manual_seed(0)
+    greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+
+    def run(rows: int, q: int, draft: bool) -> float:
+        plan = StepPlan(scheduled=[])
+        for n in range(rows):
+            prompt = torch.randint(0, vocab_size, (ctx,), generator=gen).tolist()
+            req = Request(f"calibrate-{n}", prompt, greedy)
+            req.num_computed_tokens = ctx - 1
+            req.block_table = table_ids  # shared scratch pages: timing only
+            spec = torch.randint(0, vocab_size, (q - 1,), generator=gen).tolist()
+            plan.scheduled.append(ScheduledRequest(req, q, spec, draft=draft))
+        best = float("inf")
+        for rep in range(repeats + 1):
+            t0 = time.perf_counter()
+            runner.execute(plan)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+            if rep:  # the first run warms this shape up
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    try:
+        start = time.perf_counter()
+        run(1, 1, with_draft)  # first-call costs (allocations, kernel selection) go here
+        table: list[list[float]] = []
+        draft: list[float] = []
+        for rows in rows_ladder:
+            if table and time.perf_counter() - start > time_budget:
+                # out of time: price rows x q tokens like one row of rows * q tokens (the
+                # matrix products dominate); online refinement corrects the rest
+                table.append([_interp(per_row, table[0], rows * q) for q in per_row])
+                draft.append(draft[0] * rows)
+                continue
+            line: list[float] = []
+            for q in per_row:
+                if rows * q <= max_tokens or len(line) < 2:
+                    line.append(run(rows, q, False))
+                else:  # past the token budget, never scheduled: carry the last slope on
+                    slope = (line[-1] - line[-2]) / (per_row[len(line) - 1] - per_row[len(line) - 2])
+                    line.append(line[-1] + max(0.0, slope) * (q - per_row[len(line) - 1]))
+            table.append(line)
+            draft.append(max(0.0, run(rows, 1, True) - line[0]) if with_draft else 0.0)
+        return StepCostModel(rows_ladder, per_row, table, draft)
+    finally:
+        blocks.free(table_ids)

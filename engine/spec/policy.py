@@ -1,0 +1,98 @@
+"""Build the speculation controller for an engine: acceptance seed, measured step costs."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from attention.dtypes import dtype_name
+from engine import measure_cache
+from engine.spec.acceptance import AcceptanceModel, load_seed_curve
+from engine.spec.controller import SpecController
+from engine.spec.cost import StepCostModel, measure_step_costs
+from engine.spec.stats import SpecDecodingStats
+
+if TYPE_CHECKING:
+    from engine.block_manager import BlockManager
+    from engine.config import EngineConfig
+    from engine.runner import ModelRunner
+    from engine.spec.base import Proposer
+
+log = logging.getLogger("specserve.spec")
+
+COST_CACHE_VERSION = 2
+
+
+def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
+                     blocks: BlockManager, groups: dict[str, str]) -> SpecController:
+    spec = config.speculative
+    assert spec is not None
+    k = proposer.num_speculative_tokens
+    acceptance = AcceptanceModel(k, load_seed_curve(spec.model) if spec.model else None)
+    cost, path = None, None
+    if spec.adaptive:
+        cost, path = step_costs(config, proposer, runner, blocks, groups)
+    ctl = SpecController(k, acceptance, cost, SpecDecodingStats(k), adaptive=spec.adaptive,
+                         max_batch=spec.disable_by_batch_size)
+    if path is not None:
+        # costs refined by real steps replace the startup measurement in the cache
+        ctl.on_refined = lambda model: measure_cache.save(path, model.to_json())
+    return ctl
+
+
+def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
+               blocks: BlockManager, groups: dict[str, str]) -> tuple[StepCostModel, Path]:
+    """The step cost table for this machine and engine shape (cached, else measured) and
+    its cache file."""
+    mc, sc, spec = config.model, config.scheduler, config.speculative
+    k = proposer.num_speculative_tokens
+    max_rows = min(sc.max_num_seqs, 64)
+    max_per_row = k + 1
+    max_tokens = sc.max_num_batched_tokens
+    hf = mc.hf_config
+    key = {
+        "version": COST_CACHE_VERSION,
+        "machine": measure_cache.machine_signature(runner.device),
+        "model": {name: hf.get(name) for name in (
+            "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+            "tie_word_embeddings")},
+        "dtype": dtype_name(mc.dtype),
+        "kv": groups,
+        "backend": config.attention_backend,
+        "block_size": config.cache.block_size,
+        "speculative": {"method": spec.method, "k": k,
+                        "draft": _file_digest(spec.model, "config.json"),
+                        "backend": spec.attention_backend},
+        "ladder": [max_rows, max_per_row, max_tokens],
+    }
+    path = measure_cache.cache_path("step-costs", key)
+    cached = measure_cache.load(path)
+    if cached is not None:
+        try:
+            model = StepCostModel.from_json(cached)
+            log.info("step costs from %s: %s", path, model.describe())
+            return model, path
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("ignoring measurement cache %s (%s); measuring again", path, exc)
+    t0 = time.perf_counter()
+    model = measure_step_costs(
+        runner, blocks, max_rows=max_rows, max_per_row=max_per_row, max_tokens=max_tokens,
+        with_draft=proposer.lookahead_slots > 0, vocab_size=mc.vocab_size,
+        lookahead=proposer.lookahead_slots, max_model_len=mc.max_model_len,
+    )
+    log.info("measured step costs in %.1f s: %s", time.perf_counter() - t0, model.describe())
+    measure_cache.save(path, model.to_json())
+    return model, path
+
+
+def _file_digest(folder: str | None, name: str) -> str | None:
+    if folder is None:
+        return None
+    try:
+        return hashlib.sha256((Path(folder).expanduser() / name).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None

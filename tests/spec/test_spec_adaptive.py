@@ -1,0 +1,133 @@
+"""The adaptive speculation default at engine level: exact output whatever the controller
+chooses, measured costs cached per machine, and ``dtype auto`` by measurement."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.spec.controller import Decision, SpecController
+
+from .helpers import greedy, make_llm, random_prompts, token_ids
+
+
+class ScriptedChoices(SpecController):
+    """Cycles through verify lengths 0..K and drafts on two steps of three: every mix of k
+    values and draft pauses in one batch, independent of timing."""
+
+    def __init__(self, base: SpecController) -> None:
+        super().__init__(base.k_max, base.acceptance, None, base.stats, adaptive=False)
+        self.step = 0
+
+    def plan(self, cands, other_tokens=0):
+        self.step += 1
+        out = []
+        for i, c in enumerate(cands):
+            k = (self.step + i) % (self.k_max + 1)
+            out.append(Decision(min(k, c.available, c.cap), (self.step + i) % 3 != 0))
+        return out
+
+    def fresh_request_drafts(self, batch_rows):
+        return self.step % 2 == 0
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("measure-cache")))
+
+
+def _scripted(llm):
+    llm.engine.scheduler.controller = ScriptedChoices(llm.engine.scheduler.controller)
+    return llm
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+def test_greedy_exact_for_any_choice_of_k(qwen3_target, draft_b8_dir, method):
+    prompts = random_prompts([5, 17, 9, 30, 3, 12])
+    plain = token_ids(make_llm(qwen3_target).generate(prompts, greedy(40)))
+    spec = ({"method": "dflash", "model": str(draft_b8_dir)} if method == "dflash"
+            else {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1})
+    llm = _scripted(make_llm(qwen3_target, spec))
+    assert token_ids(llm.generate(prompts, greedy(40))) == plain
+    hist = llm.get_spec_decoding_stats().num_steps_by_k
+    assert hist[0] > 0 and sum(hist[1:]) > 0  # plain decodes and verifications both happened
+    # the adaptive default with the costs it measures here: the same tokens
+    adaptive = make_llm(qwen3_target, {**spec, "adaptive": True})
+    assert adaptive.engine.scheduler.controller.adaptive
+    assert token_ids(adaptive.generate(prompts, greedy(40))) == plain
+
+
+def test_seeded_sampling_does_not_depend_on_the_choices(qwen3_target, draft_dir):
+    prompts = random_prompts([6, 11, 4])
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=100 + i,
+                             ignore_eos=True) for i in range(3)]
+    spec = {"method": "dflash", "model": str(draft_dir)}
+    fixed = token_ids(make_llm(qwen3_target, spec).generate(prompts, params))
+    scripted = token_ids(_scripted(make_llm(qwen3_target, spec)).generate(prompts, params))
+    plain = token_ids(make_llm(qwen3_target).generate(prompts, params))
+    assert fixed == scripted == plain
+
+
+def test_step_costs_are_cached_and_a_corrupt_cache_is_ignored(qwen3_target, draft_dir,
+                                                              monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    spec = {"method": "dflash", "model": str(draft_dir), "adaptive": True}
+    make_llm(qwen3_target, spec)
+    files = list((tmp_path / "measurements").glob("step-costs-*.json"))
+    assert len(files) == 1
+    first = json.loads(files[0].read_text())
+
+    import engine.spec.policy as policy
+
+    def must_not_measure(*args, **kwargs):
+        raise AssertionError("the cached step costs were measured again")
+
+    with monkeypatch.context() as m:
+        m.setattr(policy, "measure_step_costs", must_not_measure)
+        llm = make_llm(qwen3_target, spec)
+    assert llm.engine.scheduler.controller.cost.table == first["table"]
+    files[0].write_text('{"rows": [1], "table": ')
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        make_llm(qwen3_target, spec)
+    assert "ignoring unreadable measurement cache" in caplog.text
+    assert json.loads(files[0].read_text())["rows"]  # measured again and rewritten
+
+
+def test_dtype_auto_picks_the_measured_faster_and_caches_it(monkeypatch, tmp_path, caplog):
+    import engine.dtype_choice as dc
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 2}
+    calls = []
+
+    def fake(shapes, dtype, device):
+        calls.append(dtype)
+        return {torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]
+
+    monkeypatch.setattr(dc, "time_forward_gemms", fake)
+    with caplog.at_level(logging.INFO, logger="specserve"):
+        assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
+    assert "float32 2000.00 ms, bfloat16 1000.00 ms" in caplog.text
+    assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
+    assert len(calls) == 2  # the second answer came from the cache
+    for f in (tmp_path / "measurements").glob("dtype-*.json"):
+        f.write_text("not json")
+    monkeypatch.setattr(dc, "time_forward_gemms",
+                        lambda s, d, dev: {torch.float32: 1.0, torch.bfloat16: 3.0}[d])
+    assert dc.auto_dtype(hf, torch.device("cpu")) == torch.float32
+
+
+def test_dtype_auto_real_measurement_runs_on_this_machine(monkeypatch, tmp_path):
+    import engine.dtype_choice as dc
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+          "vocab_size": 256, "num_hidden_layers": 2}
+    shapes = dc.model_gemm_shapes(hf)
+    assert shapes["layer"][0] == [64, 3 * 64] and shapes["head"] == [64, 256]
+    assert dc.auto_dtype(hf, torch.device("cpu")) in (torch.float32, torch.bfloat16)

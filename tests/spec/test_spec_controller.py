@@ -1,0 +1,184 @@
+"""The speculation controller, its acceptance model and its cost model, with injected inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.spec.acceptance import AcceptanceModel, expected_gains, load_seed_curve
+from engine.spec.controller import Candidate, SpecController
+from engine.spec.cost import StepCostModel
+from engine.spec.stats import SpecDecodingStats
+
+K = 7
+
+
+def cost_model(per_token: float, draft: float, base: float = 0.02) -> StepCostModel:
+    """Step time ``base * rows + per_token * extra tokens``, and ``draft`` per drafting row."""
+    rows, per_row = [1, 4, 16, 64], [1, 2, 4, 8]
+    table = [[base * r + per_token * r * (q - 1) for q in per_row] for r in rows]
+    return StepCostModel(rows, per_row, table, [draft * r for r in rows])
+
+
+def controller(acceptance: float, per_token: float, draft: float, **kw) -> SpecController:
+    return SpecController(K, AcceptanceModel(K, [acceptance] * K), cost_model(per_token, draft),
+                          SpecDecodingStats(K), **kw)
+
+
+def decode(n: int, available: int = K, cap: int = K) -> list[Candidate]:
+    return [Candidate(None, available, cap, 1) for _ in range(n)]
+
+
+def test_no_drafts_when_acceptance_is_near_zero():
+    ctl = controller(acceptance=0.01, per_token=0.001, draft=0.002)
+    for _ in range(5):
+        assert all(d.k == 0 and not d.draft for d in ctl.plan(decode(4)))
+
+
+def test_no_drafts_when_verification_is_expensive():
+    # each extra query token costs as much as a whole decode row: nothing pays at a = 0.6
+    ctl = controller(acceptance=0.6, per_token=0.02, draft=0.0)
+    assert all(d.k == 0 for d in ctl.plan(decode(2)))
+
+
+def test_all_drafts_when_verification_is_free_and_acceptance_high():
+    ctl = controller(acceptance=0.95, per_token=0.0, draft=0.0)
+    assert all(d.k == K and d.draft for d in ctl.plan(decode(8)))
+
+
+def test_moderate_cost_picks_an_interior_k():
+    # gains 0.7, 0.49, 0.34, 0.24, ...: with each token costing 10% of a decode step, the rate
+    # (1 + sum of gains) / (1 + 0.1 k) is 1.95, 1.98, 1.96 at k = 3, 4, 5: k = 4
+    ctl = controller(acceptance=0.7, per_token=0.002, draft=0.0)
+    assert [d.k for d in ctl.plan(decode(1))] == [4]
+
+
+def test_caps_and_available_drafts_bound_the_choice():
+    ctl = controller(acceptance=0.95, per_token=0.0, draft=0.0)
+    cands = [Candidate(None, 2, K, 1), Candidate(None, K, 3, 1), Candidate(None, 0, K, 1)]
+    decisions = ctl.plan(cands)
+    assert [d.k for d in decisions] == [2, 3, 0]
+    assert decisions[2].draft  # holds nothing now, drafts for the next step
+
+
+def test_batch_level_choice_spends_extra_tokens_on_the_best_requests():
+    good = AcceptanceModel(K, [0.9] * K)
+    ctl = SpecController(K, good, cost_model(0.004, 0.0), SpecDecodingStats(K))
+    bad_state = good.new_request()
+    for _ in range(30):  # this request's drafts keep failing at the first position
+        good.observe(bad_state, K, 0)
+    cands = [Candidate(bad_state, K, K, 1), Candidate(good.new_request(), K, K, 1)]
+    ks = [d.k for d in ctl.plan(cands)]
+    assert ks[0] == 0 and ks[1] > 0
+
+
+def test_drafts_already_paid_for_are_verified_even_when_new_drafts_do_not_pay():
+    # verification is free but the draft pass is expensive: no new drafts, but the ones held
+    # now were paid for last step and are verified
+    ctl = controller(acceptance=0.5, per_token=0.0, draft=1.0)
+    decisions = ctl.plan(decode(1))
+    assert decisions[0].k > 0 and not decisions[0].draft
+
+
+def test_probes_resume_drafting_with_backoff():
+    ctl = controller(acceptance=0.01, per_token=0.001, draft=0.01, probe_interval=4,
+                     max_probe_interval=16)
+    drafted_at = [step for step in range(1, 60)
+                  if any(d.draft for d in ctl.plan(decode(2, available=0)))]
+    # probes at 4, then 4 + 8, then every 16 (the interval doubles while nothing pays)
+    assert drafted_at == [4, 12, 28, 44]
+
+
+def test_the_step_after_a_probe_verifies_a_draft_and_refined_costs_are_saved():
+    ctl = controller(acceptance=0.01, per_token=0.02, draft=0.01, probe_interval=2)
+    assert [d.k for d in ctl.plan(decode(2))] == [0, 0]
+    assert all(d.draft for d in ctl.plan(decode(2)))  # the probe
+    assert [d.k for d in ctl.plan(decode(2))] == [1, 1]  # its drafts, verified once
+    assert [d.k for d in ctl.plan(decode(2))] == [0, 0]
+    saved = []
+    ctl.on_refined, ctl.refine_save_every = saved.append, 3
+    for _ in range(7):
+        ctl.observe_step(2, 2, 0, 0.05)
+    assert saved == [ctl.cost, ctl.cost]
+
+
+def test_fixed_k_mode_and_batch_limit():
+    fixed = SpecController(K, AcceptanceModel(K, [0.0] * K), None, SpecDecodingStats(K),
+                           adaptive=False)
+    assert [(d.k, d.draft) for d in fixed.plan(decode(3, available=5))] == [(5, True)] * 3
+    limited = SpecController(K, AcceptanceModel(K), None, SpecDecodingStats(K), adaptive=False,
+                             max_batch=2)
+    assert all(d.k == 0 and not d.draft for d in limited.plan(decode(3)))
+    assert all(d.draft for d in limited.plan(decode(2)))
+    with pytest.raises(ValueError, match="cost model"):
+        SpecController(K, AcceptanceModel(K), None, SpecDecodingStats(K), adaptive=True)
+
+
+def test_choice_histogram_and_acceptance_feedback():
+    ctl = controller(acceptance=0.5, per_token=0.0, draft=0.0)
+    state = ctl.acceptance.new_request()
+    ctl.observe(state, 0, 0)
+    ctl.observe(state, 3, 2)
+    assert ctl.stats.num_steps_by_k[:4] == [1, 0, 0, 1]
+    assert ctl.stats.num_drafts == 1 and ctl.stats.num_accepted_tokens == 2
+
+
+# -- acceptance model ---------------------------------------------------------------------------
+
+def test_acceptance_observations_are_conditional_per_position():
+    model = AcceptanceModel(4, [0.5] * 4, seed_weight=1.0, request_weight=1.0,
+                            request_decay=1.0, global_decay=1.0)
+    state = model.new_request()
+    model.observe(state, 4, 1)  # position 1 accepted, 2 rejected, 3 and 4 not observed
+    assert state.trials == [1.0, 1.0, 0.0, 0.0]
+    assert state.hits == [1.0, 0.0, 0.0, 0.0]
+    rates = model.rates(state)
+    g = model.global_rates()
+    assert g[0] == pytest.approx(0.75) and g[1] == pytest.approx(0.25) and g[2] == 0.5
+    assert rates[0] == pytest.approx((1 + g[0]) / 2) and rates[2] == pytest.approx(g[2])
+    assert expected_gains([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
+
+
+def test_seed_curve_file(tmp_path, caplog):
+    assert load_seed_curve(tmp_path) is None
+    (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.6, 0.4]}))
+    assert load_seed_curve(tmp_path) == [0.6, 0.4]
+    assert AcceptanceModel(4, [0.6, 0.4]).seed == [0.6, 0.4, 0.4, 0.4]
+    (tmp_path / "acceptance.json").write_text('{"conditional": [1.5]')
+    with caplog.at_level("WARNING"):
+        assert load_seed_curve(tmp_path) is None
+    assert "ignoring" in caplog.text
+
+
+# -- cost model ----------------------------------------------------------------------------------
+
+def test_cost_interpolation_and_extrapolation():
+    m = cost_model(per_token=0.01, draft=0.005)
+    assert m.step_time(1, 1) == pytest.approx(0.02)
+    assert m.step_time(4, 8) == pytest.approx(0.08 + 0.04)  # 2 tokens per row
+    assert m.step_time(2, 2) == pytest.approx(0.02 + 0.06 / 3)  # a third of the way to 4 rows
+    assert m.step_time(128, 128) == pytest.approx(m.step_time(64, 64) * 2)
+    assert m.step_time(1, 16) == pytest.approx(0.02 + 0.15)  # past 8 per row: last slope
+    assert m.draft_time(0) == 0 and m.draft_time(2) == pytest.approx(0.01)
+
+
+def test_cost_online_refinement_moves_toward_measurements():
+    m = cost_model(per_token=0.0, draft=0.0)
+    for _ in range(100):
+        m.observe(1, 8, 0, 0.04)  # verifying 8 tokens really costs twice a decode
+    assert m.step_time(1, 8) == pytest.approx(0.04, rel=0.02)
+    for _ in range(100):
+        m.observe(1, 1, 1, 0.03)  # a decode step with a draft pass: the draft costs 10 ms
+    assert m.draft_time(1) == pytest.approx(0.01, rel=0.05)
+    before = m.step_time(1, 1)
+    m.observe(1, 500, 0, 5.0)  # a prefill-sized step is outside the grid: ignored
+    assert m.step_time(1, 1) == before
+
+
+def test_cost_json_round_trip_and_validation():
+    m = cost_model(0.01, 0.0)
+    assert StepCostModel.from_json(json.loads(json.dumps(m.to_json()))).table == m.table
+    bad = m.to_json() | {"table": m.table[:-1]}
+    with pytest.raises(ValueError):
+        StepCostModel.from_json(bad)
