@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.outputs import ScheduledRequest, StepPlan
@@ -32,17 +33,6 @@ log = logging.getLogger("specserve.spec")
 CALIBRATION_CONTEXT = 96  # context length of the synthetic requests
 
 
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
-    """Piecewise-linear; extrapolates with the last segment's slope (never below 0)."""
-    if len(xs) == 1:
-        return ys[0] * (x / xs[0])
-    if x <= xs[0]:
-        return ys[0]
-    i = min(bisect.bisect_right(xs, x), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
 @dataclass
 class StepCostModel:
     rows: list[int]  # ladder of batch rows
@@ -51,27 +41,45 @@ class StepCostModel:
     draft: list[float]  # seconds a draft pass adds for rows[i] rows (0 without a draft model)
     smoothing: float = 0.1  # online refinement weight of one step
 
-    def _row_curve(self, i: int, tokens_per_row: float) -> float:
-        return _interp(self.per_row, self.table[i], tokens_per_row)
-
     def step_time(self, rows: int, tokens: int) -> float:
-        rows = max(1, rows)
-        q = max(1.0, tokens / rows)
-        i = bisect.bisect_left(self.rows, rows)
-        if i < len(self.rows) and self.rows[i] == rows:
-            return self._row_curve(i, q)
-        if i == 0:
-            return self._row_curve(0, q)
-        if i == len(self.rows):  # beyond the ladder: time grows with the rows
-            return self._row_curve(i - 1, q) * rows / self.rows[-1]
-        r0, r1 = self.rows[i - 1], self.rows[i]
-        t0, t1 = self._row_curve(i - 1, q), self._row_curve(i, q)
-        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        return float(self.step_times(rows, np.array([tokens]))[0])
 
     def draft_time(self, rows: int) -> float:
-        if rows <= 0:
-            return 0.0
-        return _interp([float(r) for r in self.rows], self.draft, float(rows))
+        return float(self.draft_times(np.array([rows]))[0])
+
+    # -- vectorised: the controller prices every extra token of a step at once -----------------
+    def _row_curves(self, i: int, q: np.ndarray) -> np.ndarray:
+        xs, ys = np.asarray(self.per_row, float), np.asarray(self.table[i], float)
+        out = np.interp(q, xs, ys)
+        if len(xs) > 1:
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            past = q > xs[-1]
+            out[past] = ys[-1] + slope * (q[past] - xs[-1])
+        else:
+            out = ys[0] * q / xs[0]
+        return out
+
+    def step_times(self, rows: int, tokens: np.ndarray) -> np.ndarray:
+        """``step_time(rows, t)`` for every ``t`` in ``tokens``."""
+        rows = max(1, rows)
+        q = np.maximum(1.0, np.asarray(tokens, float) / rows)
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows or i == 0:
+            return self._row_curves(min(i, len(self.rows) - 1), q)
+        if i == len(self.rows):
+            return self._row_curves(i - 1, q) * rows / self.rows[-1]
+        r0, r1 = self.rows[i - 1], self.rows[i]
+        t0, t1 = self._row_curves(i - 1, q), self._row_curves(i, q)
+        return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+
+    def draft_times(self, rows: np.ndarray) -> np.ndarray:
+        """``draft_time(n)`` for every ``n`` in ``rows``."""
+        rows = np.asarray(rows, float)
+        xs, ys = np.asarray(self.rows, float), np.asarray(self.draft, float)
+        out = np.interp(rows, xs, ys)
+        out[rows > xs[-1]] = ys[-1] * rows[rows > xs[-1]] / xs[-1]
+        out[rows <= 0] = 0.0
+        return out
 
     # -- online refinement ---------------------------------------------------------------------
     def _nearest(self, rows: int, q: float) -> tuple[int, int]:
@@ -184,7 +192,8 @@ def measure_step_costs(
             if table and time.perf_counter() - start > time_budget:
                 # out of time: price rows x q tokens like one row of rows * q tokens (the
                 # matrix products dominate); online refinement corrects the rest
-                table.append([_interp(per_row, table[0], rows * q) for q in per_row])
+                one_row = StepCostModel([1], per_row, table[:1], draft[:1])
+                table.append(one_row.step_times(1, np.array(per_row) * rows).tolist())
                 draft.append(draft[0] * rows)
                 continue
             line: list[float] = []
@@ -194,7 +203,8 @@ def measure_step_costs(
                 else:  # past the token budget, never scheduled: carry the last slope on
                     slope = (line[-1] - line[-2]) / (per_row[len(line) - 1] - per_row[len(line) - 2])
                     line.append(line[-1] + max(0.0, slope) * (q - per_row[len(line) - 1]))
-            table.append(line)
+            # more query tokens never cost less: timing noise must not say otherwise
+            table.append(np.maximum.accumulate(line).tolist())
             draft.append(max(0.0, run(rows, 1, True) - line[0]) if with_draft else 0.0)
         return StepCostModel(rows_ladder, per_row, table, draft)
     finally:

@@ -131,3 +131,22 @@ def test_dtype_auto_real_measurement_runs_on_this_machine(monkeypatch, tmp_path)
     shapes = dc.model_gemm_shapes(hf)
     assert shapes["layer"][0] == [64, 3 * 64] and shapes["head"] == [64, 256]
     assert dc.auto_dtype(hf, torch.device("cpu")) in (torch.float32, torch.bfloat16)
+
+
+def test_cost_measurement_on_a_time_budget(qwen3_target, draft_dir):
+    from engine.spec.cost import measure_step_costs
+
+    llm = make_llm(qwen3_target, {"method": "dflash", "model": str(draft_dir)})
+    eng = llm.engine
+    free = eng.blocks.num_free_blocks
+    model = measure_step_costs(eng.runner, eng.blocks, max_rows=64, max_per_row=4,
+                               max_tokens=2048, with_draft=True, vocab_size=256,
+                               lookahead=4, max_model_len=192, time_budget=0.0)
+    assert eng.blocks.num_free_blocks == free  # the scratch pages went back to the pool
+    assert model.rows == [1, 4, 16, 64] and model.per_row == [1, 2, 4]
+    # only one row was timed; 4 rows of q tokens are priced like one row of 4q tokens
+    assert model.table[1][0] == pytest.approx(model.step_time(1, 4))
+    assert all(t > 0 for line in model.table for t in line)
+    assert model.draft[3] == pytest.approx(64 * model.draft[0])
+    # the engine still serves normally afterwards
+    assert token_ids(llm.generate(random_prompts([5]), greedy(8)))[0]

@@ -182,3 +182,17 @@ def test_cost_json_round_trip_and_validation():
     bad = m.to_json() | {"table": m.table[:-1]}
     with pytest.raises(ValueError):
         StepCostModel.from_json(bad)
+
+
+def test_cost_interpolation_on_an_uneven_table():
+    import numpy as np
+
+    m = StepCostModel([1, 4, 16], [1, 2, 4, 8],
+                      [[0.02, 0.021, 0.025, 0.04], [0.03, 0.035, 0.05, 0.08],
+                       [0.06, 0.08, 0.12, 0.2]], [0.004, 0.006, 0.01])
+    assert m.step_times(1, np.array([1, 3, 8, 10])) == pytest.approx(
+        [0.02, 0.023, 0.04, 0.04 + 2 * 0.015 / 4])  # past 8 per row: the last slope
+    assert m.step_times(2, np.array([2, 4])) == pytest.approx([0.02 + 0.01 / 3, 0.021 + 0.014 / 3])
+    assert m.step_times(32, np.array([32])) == pytest.approx([0.12])  # 2x the 16-row time
+    assert m.draft_times(np.array([0, 1, 2, 16, 32])) == pytest.approx(
+        [0.0, 0.004, 0.004 + 0.002 / 3, 0.01, 0.02])
