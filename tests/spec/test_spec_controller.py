@@ -196,3 +196,16 @@ def test_cost_interpolation_on_an_uneven_table():
     assert m.step_times(32, np.array([32])) == pytest.approx([0.12])  # 2x the 16-row time
     assert m.draft_times(np.array([0, 1, 2, 16, 32])) == pytest.approx(
         [0.0, 0.004, 0.004 + 0.002 / 3, 0.01, 0.02])
+
+
+def test_config_keys_of_the_policy():
+    from engine.config import ConfigError, SpeculativeConfig
+
+    assert SpeculativeConfig.parse({"method": "ngram"}).adaptive is True
+    assert SpeculativeConfig.parse('{"method": "ngram", "adaptive": false}').adaptive is False
+    with pytest.raises(ConfigError, match="true or false") as err:
+        SpeculativeConfig.parse({"method": "ngram", "adaptive": "yes"})
+    assert err.value.param == "speculative_config.adaptive"
+    with pytest.raises(ConfigError, match="replaced by the adaptive controller") as err:
+        SpeculativeConfig.parse({"method": "ngram", "min_acceptance_length": 1.5})
+    assert err.value.param == "speculative_config.min_acceptance_length"
