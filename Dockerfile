@@ -70,8 +70,8 @@ USER specserve
 WORKDIR /home/specserve
 EXPOSE 8000
 # python, not curl: slim bases have no curl. The port is the default one (8000).
-HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
+HEALTHCHECK --interval=10s --timeout=10s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=8).status != 200)"]
 # Exec form: the server is PID 1 and gets docker stop's SIGTERM. Arguments after the image name
 # are passed on (e.g. `--speculative-config none`); the default serves smollm2-135m-instruct
 # with its DFlash draft.

@@ -314,15 +314,6 @@ done
 log "container answered /health $HEALTHY s after docker run (127.0.0.1:$PORT)"
 if "$DOCKER" logs "$CONTAINER" 2>&1 | grep -q "Converting"; then fail "the container converted the model"; fi
 
-check_requests
-
-uid=$("$DOCKER" exec "$CONTAINER" id -u)
-pid1=$("$DOCKER" exec "$CONTAINER" sh -c 'tr "\0" " " </proc/1/cmdline; grep "^Uid:" /proc/1/status')
-log "exec id -u -> $uid; PID 1: $pid1"
-[ "$uid" = 1000 ] || fail "the container runs as uid $uid"
-[[ $pid1 == *specserve\ serve* ]] || fail "PID 1 is not the server: $pid1"
-[[ $pid1 =~ Uid:[[:space:]]+1000[[:space:]] ]] || fail "PID 1 does not run as uid 1000: $pid1"
-
 DOCKER_HEALTHY=""
 for _ in $(seq 120); do
     status=$("$DOCKER" inspect -f '{{.State.Health.Status}}' "$CONTAINER")
@@ -332,6 +323,15 @@ for _ in $(seq 120); do
 done
 [ -n "$DOCKER_HEALTHY" ] || fail "HEALTHCHECK never reported healthy"
 log "docker reports the container healthy (HEALTHCHECK) $DOCKER_HEALTHY s after docker run"
+
+check_requests
+
+uid=$("$DOCKER" exec "$CONTAINER" id -u)
+pid1=$("$DOCKER" exec "$CONTAINER" sh -c 'tr "\0" " " </proc/1/cmdline; grep "^Uid:" /proc/1/status')
+log "exec id -u -> $uid; PID 1: $pid1"
+[ "$uid" = 1000 ] || fail "the container runs as uid $uid"
+[[ $pid1 == *specserve\ serve* ]] || fail "PID 1 is not the server: $pid1"
+[[ $pid1 =~ Uid:[[:space:]]+1000[[:space:]] ]] || fail "PID 1 does not run as uid 1000: $pid1"
 
 start=$(now)
 "$DOCKER" stop -t 30 "$CONTAINER" >/dev/null
