@@ -1,17 +1,19 @@
 """Speculation policy benchmark: no speculation vs fixed K vs the adaptive default.
 
 Offline ``LLM.generate``, greedy, natural stops, the default model with its shipped DFlash
-draft. For each prompt set and concurrency the three engines run the same prompts in turn
-(side by side in time, so machine drift hits all three alike); greedy outputs must agree
+draft. Engines: no speculation, one fixed-K engine per ``--fixed-k`` (verifies K drafts every
+step) and the adaptive default. For each prompt set and concurrency they run the same prompts
+in turn (side by side in time, so machine drift hits all alike); greedy outputs must agree
 token for token (the script counts mismatches). Reports output tok/s, the ratio to no
 speculation, the mean acceptance length of the verified drafts and, for the adaptive engine,
-how often each k = 0..K was verified.
+how often each k = 0..K was verified. Set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to
+run torch's kernels as on a CPU without AVX-512.
 
 Sets: ``gsm8k`` (GSM8K test), ``chat`` (the 50 held-out self-instruct prompts plus
 ``benchmarks/data/chat_heldout.jsonl``, general chat and code requests written for this
 benchmark; none of them was used to train the draft).
 
-    python benchmarks/bench_spec_policy.py --concurrency 1 4 16 32 --max-tokens 128
+    python benchmarks/bench_spec_policy.py --concurrency 1 4 16 32 --max-tokens 128 --fixed-k 3 7
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.args import default_draft_for  # noqa: E402
 
 CHAT_FILE = Path(__file__).resolve().parent / "data" / "chat_heldout.jsonl"
-SYSTEMS = ("none", "fixed", "adaptive")
 
 
 def chat_questions() -> list[str]:
@@ -79,6 +80,7 @@ def measure(llm: LLM, prompts: list[str], concurrency: int, params: SamplingPara
             "steps_by_k": by_k, "outputs": outputs}
 
 
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--waves", type=int, default=1,
                    help="batches of C prompts per concurrency level C > 1")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--fixed-k", nargs="+", type=int, default=[7],
+                   help="fixed-K engines to compare (each verifies K drafts every step)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     draft = default_draft_for(args.model) if args.draft == "default" else Path(args.draft)
@@ -99,14 +103,17 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("No shipped draft for this model; pass --draft PATH")
     common = dict(model=args.model, dtype=args.dtype, max_model_len=2048,
                   max_num_seqs=max(args.concurrency))
-    specs = {"none": None,
-             "fixed": {"method": "dflash", "model": str(draft), "adaptive": False},
-             "adaptive": {"method": "dflash", "model": str(draft)}}
+    specs = {"none": None}
+    for k in args.fixed_k:
+        specs[f"K={k}"] = {"method": "dflash", "model": str(draft), "adaptive": False,
+                           "num_speculative_tokens": k}
+    specs["adaptive"] = {"method": "dflash", "model": str(draft)}
+    systems = list(specs)
     t0 = time.perf_counter()
-    llms = {name: LLM(speculative_config=specs[name], **common) for name in SYSTEMS}
+    llms = {name: LLM(speculative_config=specs[name], **common) for name in systems}
     startup = time.perf_counter() - t0
     tok = llms["none"].get_tokenizer()
-    k = llms["fixed"].engine.proposer.num_speculative_tokens
+    k = llms["adaptive"].engine.proposer.num_speculative_tokens
     questions = {"gsm8k": lambda n: prompt_sets.gsm8k_questions("test", n),
                  "chat": lambda n: chat_questions()[:n]}
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -115,31 +122,33 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate(warm, params)
     report = {"cpu": cpu_description(), "dtype": str(llms["none"].engine.config.model.dtype),
               "k_max": k, "max_tokens": args.max_tokens, "startup_s": startup, "rows": []}
-    print(f"# {report['cpu']}, {report['dtype']}, K = {k}, {args.max_tokens} tokens, greedy")
-    print("| set | concurrency | none tok/s | fixed K tok/s (x) | adaptive tok/s (x) | "
-          "acceptance fixed / adaptive | adaptive k = 0..K | mismatches |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"# {report['cpu']}, {report['dtype']}, K <= {k}, {args.max_tokens} tokens, greedy")
+    spec_systems = systems[1:]
+    print("| set | concurrency | none tok/s | " + " | ".join(f"{s} tok/s (x)" for s in spec_systems)
+          + " | acceptance " + " / ".join(spec_systems) + " | adaptive k = 0..K | mismatches |")
+    print("|---" * (len(spec_systems) + 5) + "|")
     for set_name in args.sets:
         for c in args.concurrency:
             n = args.single_prompts if c == 1 else c * args.waves
             prompts = prompt_sets.chat(tok, questions[set_name](n))
-            res = {name: measure(llms[name], prompts, c, params) for name in SYSTEMS}
+            res = {name: measure(llms[name], prompts, c, params) for name in systems}
             base = res["none"]["outputs"]
-            mismatches = sum(res[s]["outputs"] != base for s in ("fixed", "adaptive"))
-            row = {"set": set_name, "concurrency": c, "prompts": len(prompts),
-                   "mismatches": mismatches,
-                   **{name: {key: v for key, v in r.items() if key != "outputs"}
-                      for name, r in res.items()}}
-            report["rows"].append(row)
-            none, fixed, adap = (res[s]["tok_s"] for s in SYSTEMS)
+            mismatches = sum(res[s]["outputs"] != base for s in spec_systems)
+            report["rows"].append({
+                "set": set_name, "concurrency": c, "prompts": len(prompts),
+                "mismatches": mismatches,
+                **{name: {key: v for key, v in r.items() if key != "outputs"}
+                   for name, r in res.items()}})
+            none = res["none"]["tok_s"]
 
             def acc(s: str) -> str:
                 a = res[s]["acceptance_length"]
                 return f"{a:.2f}" if a else "-"
 
-            print(f"| {set_name} | {c} | {none:.1f} | {fixed:.1f} ({fixed / none:.2f}x) | "
-                  f"{adap:.1f} ({adap / none:.2f}x) | {acc('fixed')} / {acc('adaptive')} | "
-                  f"{'/'.join(map(str, res['adaptive']['steps_by_k']))} | {mismatches} |",
+            cells = [f"{res[s]['tok_s']:.1f} ({res[s]['tok_s'] / none:.2f}x)" for s in spec_systems]
+            print(f"| {set_name} | {c} | {none:.1f} | " + " | ".join(cells) + " | "
+                  + " / ".join(acc(s) for s in spec_systems) + " | "
+                  + "/".join(map(str, res["adaptive"]["steps_by_k"])) + f" | {mismatches} |",
                   flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
