@@ -1,4 +1,5 @@
-"""Evaluate a DFlash draft: acceptance and wall-clock speed with and without speculation.
+"""Evaluate DFlash / DFlash2 drafts: acceptance and wall-clock speed with and without
+speculation. Several ``--draft`` folders are measured side by side on the same sets.
 
 On the first N GSM8K test questions and on the held-out self-instruct slice (never used in
 training), greedy: mean acceptance length, acceptance per position, and output tokens/s for a
@@ -6,9 +7,9 @@ single stream and for C concurrent requests, with and without the draft, in one 
 
     python benchmarks/eval_acceptance.py --draft models/drafts/smollm2-135m-instruct-dflash
 
-``--min-acceptance-length X`` adds the opt-in acceptance gate (see ``engine/spec/gate.py``) to
-the speculative engine; acceptance lengths are then measured over the drafts the gate let
-through, so report them from a run without it.
+The speculative engine verifies all K drafts every step (``"adaptive": false``), so the
+figures describe the draft itself; ``benchmarks/bench_spec_policy.py`` measures the adaptive
+default against fixed K and no speculation.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def run(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int) -> dict
     accepted = s1.num_accepted_tokens - before[1]
     per_pos = [(a - b) / drafts if drafts else 0.0
                for a, b in zip(s1.num_accepted_tokens_per_pos, before[2])]
-    return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+    return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "drafts": drafts,
             "acceptance_length": 1 + accepted / drafts if drafts else None,
             "accepted_per_pos": [round(p, 3) for p in per_pos], "outputs": outputs}
 
@@ -57,7 +58,9 @@ def run(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int) -> dict
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--draft", default="default")
+    p.add_argument("--draft", nargs="+", default=["default"],
+                   help="one or more draft folders (DFlash or DFlash2, detected), each measured "
+                        "on the same sets against the same no-spec baseline")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gsm8k", type=int, default=200, help="first N GSM8K test questions")
@@ -65,64 +68,75 @@ def main(argv: list[str] | None = None) -> None:
                    help="prompts per set used for the timed runs")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--min-acceptance-length", type=float, default=None)
     p.add_argument("--sets", nargs="+", default=["gsm8k-test", "self-instruct-heldout"],
                    choices=["gsm8k-test", "self-instruct-heldout"])
     p.add_argument("--skip-acceptance", action="store_true",
                    help="only the timed runs (no pass over the whole set)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    draft = default_draft_for(args.model) if args.draft == "default" else Path(args.draft)
-    if draft is None:
+    drafts = [default_draft_for(args.model) if d == "default" else Path(d) for d in args.draft]
+    if None in drafts:
         raise SystemExit("No shipped draft for this model; pass --draft PATH")
-    spec = {"method": "dflash", "model": str(draft)}
-    if args.num_speculative_tokens:
-        spec["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.min_acceptance_length:
-        spec["min_acceptance_length"] = args.min_acceptance_length
     common = dict(model=args.model, dtype=args.dtype, max_model_len=2048,
                   max_num_seqs=max(args.concurrency, 8))
-    with_spec = LLM(speculative_config=spec, **common)
+    engines = {}
+    for draft in drafts:
+        # the draft's own acceptance: every step verifies all K drafts (the adaptive default
+        # verifies fewer where they do not pay; benchmarks/bench_spec_policy.py compares the two)
+        spec = {"method": "dflash", "model": str(draft), "adaptive": False}
+        if args.num_speculative_tokens:
+            spec["num_speculative_tokens"] = args.num_speculative_tokens
+        llm = LLM(speculative_config=spec, **common)
+        kind = "dflash2" if type(llm.engine.proposer).__name__ == "DFlash2Proposer" else "dflash"
+        label = f"{kind}:{draft.name}"
+        engines[label] = (draft, llm)
     plain = LLM(speculative_config=None, **common)
-    tok = with_spec.get_tokenizer()
+    tok = plain.get_tokenizer()
     loaders = {
         "gsm8k-test": lambda: prompt_sets.gsm8k_questions("test", args.gsm8k),
         "self-instruct-heldout": held_out,
     }
     sets = {name: prompt_sets.chat(tok, loaders[name]()) for name in args.sets}
-    report = {"draft": str(draft), "num_speculative_tokens": with_spec.engine.proposer.num_speculative_tokens,
-              "min_acceptance_length": args.min_acceptance_length, "sets": {}}
+    report = {"drafts": {}, "adaptive": False, "no_spec": {}}
+    c = f"c{args.concurrency}_tok_s"
     for name, prompts in sets.items():
-        speed = {}
         subset = prompts[: args.speed_prompts]
-        for label, llm in (("dflash", with_spec), ("no-spec", plain)):
-            single = run(llm, subset[: max(2, args.speed_prompts // 4)], 1, args.max_tokens)
+        single_prompts = subset[: max(2, args.speed_prompts // 4)]
+        base_single = run(plain, single_prompts, 1, args.max_tokens)
+        base_batch = run(plain, subset, args.concurrency, args.max_tokens)
+        base = {"single_tok_s": round(base_single["tok_s"], 1), c: round(base_batch["tok_s"], 1),
+                "single_ms_per_step": round(1000 * base_single["seconds"] / base_single["tokens"], 2)}
+        report["no_spec"][name] = base
+        for label, (draft, llm) in engines.items():
+            single = run(llm, single_prompts, 1, args.max_tokens)
             batch = run(llm, subset, args.concurrency, args.max_tokens)
-            if label == "dflash":
-                timed_single = single
-            speed[label] = {"single_tok_s": round(single["tok_s"], 1),
-                            f"c{args.concurrency}_tok_s": round(batch["tok_s"], 1)}
-        # acceptance over the whole set, or what the timed single stream accepted
-        acc = timed_single if args.skip_acceptance else run(with_spec, prompts, 16, args.max_tokens)
-        report["sets"][name] = {
-            "prompts": len(prompts),
-            "acceptance_length": round(acc["acceptance_length"] or 1.0, 3),
-            "accepted_per_pos": acc["accepted_per_pos"],
-            "speed": speed,
-            "single_speedup": round(speed["dflash"]["single_tok_s"] / speed["no-spec"]["single_tok_s"], 2),
-        }
-        print(name, json.dumps(report["sets"][name]), flush=True)
+            steps = single["drafts"] + len(single_prompts)  # single stream: one step per draft
+            # acceptance over the whole set, or what the timed single stream accepted
+            acc = single if args.skip_acceptance else run(llm, prompts, 16, args.max_tokens)
+            entry = report["drafts"].setdefault(label, {
+                "draft": str(draft),
+                "num_speculative_tokens": llm.engine.proposer.num_speculative_tokens, "sets": {}})
+            entry["sets"][name] = {
+                "prompts": len(prompts),
+                "acceptance_length": round(acc["acceptance_length"] or 1.0, 3),
+                "accepted_per_pos": acc["accepted_per_pos"],
+                "speed": {"single_tok_s": round(single["tok_s"], 1), c: round(batch["tok_s"], 1),
+                          "single_ms_per_step": round(1000 * single["seconds"] / steps, 2)},
+                "single_speedup": round(single["tok_s"] / base_single["tok_s"], 2),
+            }
+            print(label, name, json.dumps(entry["sets"][name]), flush=True)
     print()
-    print("| set | prompts | mean acceptance length | accepted per position | single tok/s (dflash / none) "
-          f"| c={args.concurrency} tok/s (dflash / none) |")
-    print("|---|---|---|---|---|---|")
-    for name, r in report["sets"].items():
-        s = r["speed"]
-        c = f"c{args.concurrency}_tok_s"
-        print(f"| {name} | {r['prompts']} | {r['acceptance_length']:.2f} | "
-              f"{' '.join(f'{x:.2f}' for x in r['accepted_per_pos'])} | "
-              f"{s['dflash']['single_tok_s']} / {s['no-spec']['single_tok_s']} | "
-              f"{s['dflash'][c]} / {s['no-spec'][c]} |")
+    print("| draft | set | prompts | mean acceptance length | accepted per position "
+          f"| single tok/s (draft / none) | ms per step single (draft / none) "
+          f"| c={args.concurrency} tok/s (draft / none) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, entry in report["drafts"].items():
+        for name, r in entry["sets"].items():
+            s, b = r["speed"], report["no_spec"][name]
+            print(f"| {label} | {name} | {r['prompts']} | {r['acceptance_length']:.2f} | "
+                  f"{' '.join(f'{x:.2f}' for x in r['accepted_per_pos'])} | "
+                  f"{s['single_tok_s']} / {b['single_tok_s']} | "
+                  f"{s['single_ms_per_step']} / {b['single_ms_per_step']} | {s[c]} / {b[c]} |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

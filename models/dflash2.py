@@ -291,23 +291,27 @@ class DFlash2DraftModel(DFlashDraftModel):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """DFlash weights plus the convolutions and the selector (either codebook spelling)."""
         params = dict(self.named_parameters())
-        extra: dict[str, torch.Tensor] = {}
+        extra: set[str] = set()
 
         def split() -> Iterable[tuple[str, torch.Tensor]]:
             for hf_name, tensor in weights:
                 name = hf_name.removeprefix("model.")
                 name = CODEBOOK_KEYS.get(name, name)
-                if "_conv." in name or name.startswith("candidate_selector."):
+                if _dflash2_only(name):
                     if name not in params:
                         raise WeightLoadError(f"Draft tensor {hf_name!r} has no matching parameter")
                     with torch.no_grad():
                         _copy(params[name].data, tensor, hf_name)
-                    extra[name] = tensor
+                    extra.add(name)
                 else:
                     yield hf_name, tensor
 
-        super().load_weights(split(), ignore=lambda n: "_conv." in n or n.startswith("candidate_selector."))
-        missing = [n for n in params if ("_conv." in n or n.startswith("candidate_selector."))
-                   and n not in extra]
+        super().load_weights(split(), ignore=_dflash2_only)
+        missing = [n for n in params if _dflash2_only(n) and n not in extra]
         if missing:
             raise WeightLoadError(f"Draft checkpoint is missing weights: {missing[:8]}")
+
+
+def _dflash2_only(name: str) -> bool:
+    """Parameters a DFlash draft does not have: the block convolutions and the selector."""
+    return "_conv." in name or name.startswith("candidate_selector.")
