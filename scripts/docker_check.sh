@@ -16,6 +16,7 @@
 #                when PyTorch's CPU index is unreachable)
 #   CA_BUNDLE    CA bundle for pip inside the build (default: the host's, e.g. for a TLS-inspecting
 #                proxy); used in the build stage only
+#   DOCKER_BUILDKIT=0  build with the legacy builder (default: BuildKit where a client offers it)
 # Needs root where Docker is not yet installed or running (it installs docker.io and starts
 # dockerd, leaving it running). Exits non-zero on the first failed check.
 set -euo pipefail
@@ -79,6 +80,9 @@ ensure_engine() {
 # Dockerfile also supports.
 pick_client() {
     local candidate version
+    if [ "${DOCKER_BUILDKIT:-}" = 0 ]; then  # asked for the legacy builder
+        DOCKER=$(command -v docker) BUILDKIT=0; return
+    fi
     for candidate in $(which -a docker | awk '!seen[$0]++'); do
         if "$candidate" buildx version >/dev/null 2>&1; then
             DOCKER=$candidate BUILDKIT=1; return
