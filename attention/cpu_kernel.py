@@ -17,7 +17,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
-_BUILD = Path(__file__).resolve().parent / "csrc" / "build"
+_BUILD = Path(os.environ.get("SPECSERVE_KERNEL_BUILD_DIR")
+              or Path(__file__).resolve().parent / "csrc" / "build")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _module = None

@@ -1,4 +1,6 @@
-"""Attention micro-benchmark: the SDPA path of the torch backend against the paged CPU kernel.
+"""Attention benchmarks: the SDPA path of the torch backend against the paged CPU kernel.
+
+Micro (default): one attention layer.
 
 One layer with SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head size 64, block
 size 16), block tables shuffled over the pool. A timed call is one layer's ``attend`` (K/V
@@ -8,6 +10,16 @@ medians are reported, because the machine may be shared.
 
     python benchmarks/bench_attention.py --requests 1 8 32 --contexts 256 1024 \\
         --dtypes bfloat16 float32 --q-len 1
+
+End to end (``--e2e``): one ``LLM`` (SmolLM2-135M-Instruct, no speculation), the same GSM8K
+chat prompts at each concurrency, greedy with ``ignore_eos``; the kernel is switched through
+``SPECSERVE_CPU_ATTENTION`` between runs (sdpa, paged, paged, sdpa, ...), so both see the same
+machine state. ``--profile N`` then profiles N decode steps at the largest concurrency with
+``torch.profiler`` and reports the share of the step spent in attention (the backend's
+``attend``: K/V write plus attention), for each kernel.
+
+    python benchmarks/bench_attention.py --e2e --concurrency 1 8 16 32 --max-tokens 128 \\
+        --rounds 3 --profile 20
 """
 
 from __future__ import annotations
@@ -73,21 +85,132 @@ def bench_case(args, num_req: int, ctx: int, dtype_name: str) -> dict:
     outs = {name: m.attend(q, k, v, kv, 0.125) for name, m in metas.items()}
     err = float((outs["sdpa"].float() - outs["paged"].float()).abs().max())
     times = {name: [] for name in backends}
+    cpu = {name: [] for name in backends}
     build = {name: [] for name in backends}
     for _ in range(args.repeats):
         for name in backends:  # interleaved: old, new, old, new, ...
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.calls):
                 metas[name].attend(q, k, v, kv, 0.125)
             times[name].append((time.perf_counter() - t0) / args.calls)
+            cpu[name].append((time.process_time() - c0) / args.calls)
             t0 = time.perf_counter()
             backends[name].build_metadata(batch, cpu)
             build[name].append(time.perf_counter() - t0)
     old, new = statistics.median(times["sdpa"]), statistics.median(times["paged"])
     return {"requests": num_req, "context": ctx, "dtype": dtype_name, "q_len": args.q_len,
             "sdpa_ms": old * 1e3, "paged_ms": new * 1e3, "speedup": old / new,
+            "sdpa_cpu_ms": statistics.median(cpu["sdpa"]) * 1e3,
+            "paged_cpu_ms": statistics.median(cpu["paged"]) * 1e3,
             "build_sdpa_ms": statistics.median(build["sdpa"]) * 1e3,
             "build_paged_ms": statistics.median(build["paged"]) * 1e3, "max_abs_diff": err}
+
+
+def run_e2e(args) -> None:
+    import os
+
+    from benchmarks import prompts as prompt_sets
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048,
+              max_num_seqs=max(args.concurrency))
+    questions = prompt_sets.load("gsm8k", max(args.concurrency))
+    prompts = prompt_sets.chat(llm.get_tokenizer(), questions)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    kernels = ("sdpa", "paged")
+
+    def generate(kernel: str, group: list[str]) -> tuple[float, float, list[list[int]]]:
+        """Output tokens per wall second and per CPU second of this process."""
+        os.environ["SPECSERVE_CPU_ATTENTION"] = kernel
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs = llm.generate(group, params)
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        toks = [list(o.outputs[0].token_ids) for o in outs]
+        n = sum(map(len, toks))
+        return n / seconds, n / cpu, toks
+
+    for kernel in kernels:  # warm-up (and builds the kernel if needed)
+        generate(kernel, prompts[:2])
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, "
+          f"{args.max_tokens} tokens, {args.rounds} rounds (interleaved)")
+    print("| concurrency | SDPA tok/s | paged tok/s | ratio | SDPA tok/CPU-s | paged tok/CPU-s | "
+          "ratio (CPU) | same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        rates: dict[str, list[float]] = {k: [] for k in kernels}
+        cpu_rates: dict[str, list[float]] = {k: [] for k in kernels}
+        tokens: dict[str, list[list[int]]] = {}
+        for rnd in range(args.rounds):
+            order = kernels if rnd % 2 == 0 else kernels[::-1]
+            for kernel in order:
+                rate, cpu_rate, toks = generate(kernel, prompts[:c])
+                rates[kernel].append(rate)
+                cpu_rates[kernel].append(cpu_rate)
+                tokens.setdefault(kernel, toks)
+        old, new = statistics.median(rates["sdpa"]), statistics.median(rates["paged"])
+        cold, cnew = statistics.median(cpu_rates["sdpa"]), statistics.median(cpu_rates["paged"])
+        same = sum(a == b for a, b in zip(tokens["sdpa"], tokens["paged"]))
+        print(f"| {c} | {old:.1f} | {new:.1f} | {new / old:.2f}x | {cold:.1f} | {cnew:.1f} | "
+              f"{cnew / cold:.2f}x | {same}/{c} |", flush=True)
+        print(f"<!-- c={c} wall sdpa {[round(r, 1) for r in rates['sdpa']]} "
+              f"paged {[round(r, 1) for r in rates['paged']]}; cpu sdpa "
+              f"{[round(r, 1) for r in cpu_rates['sdpa']]} paged "
+              f"{[round(r, 1) for r in cpu_rates['paged']]} -->", flush=True)
+    if args.profile:
+        profile_share(llm, prompts[: max(args.concurrency)], args)
+
+
+def profile_share(llm, prompts: list[str], args) -> None:
+    """Attention share of decode steps at the largest concurrency, from torch.profiler."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from attention.backends import torch_backend
+    from engine import SamplingParams
+
+    originals = {}
+    for cls in (torch_backend.TorchMetadata, torch_backend.PagedMetadata):
+        originals[cls] = cls.attend
+
+        def wrapped(self, *a, _orig=cls.attend, **kw):
+            with record_function("attention.attend"):
+                return _orig(self, *a, **kw)
+
+        cls.attend = wrapped
+    engine = llm.engine
+    print()
+    print("| kernel | decode steps | step ms (median) | step CPU ms (median) | "
+          "attention ms/step | attention share |")
+    print("|---|---|---|---|---|---|")
+    try:
+        for kernel in ("sdpa", "paged"):
+            os.environ["SPECSERVE_CPU_ATTENTION"] = kernel
+            # run prefill and a few decode steps outside the profiler, then profile decode steps
+            params = SamplingParams(max_tokens=args.profile + 40, temperature=0, ignore_eos=True)
+            tok = llm.get_tokenizer()
+            for i, p in enumerate(prompts):
+                engine.add_request(f"prof-{kernel}-{i}", tok.encode(p), params)
+            for _ in range(20):
+                engine.step()
+            step_times, cpu_times = [], []
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.profile):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    engine.step()
+                    step_times.append(time.perf_counter() - t0)
+                    cpu_times.append(time.process_time() - c0)
+            while engine.has_unfinished_requests():
+                engine.step()
+            attn = sum(e.cpu_time_total for e in prof.key_averages()
+                       if e.key == "attention.attend") / 1e3 / args.profile
+            total = sum(step_times) * 1e3 / args.profile
+            print(f"| {kernel} | {args.profile} | {statistics.median(step_times) * 1e3:.1f} | "
+                  f"{statistics.median(cpu_times) * 1e3:.1f} | {attn:.1f} | {attn / total:.0%} |",
+                  flush=True)
+    finally:
+        for cls, fn in originals.items():
+            cls.attend = fn
 
 
 def main() -> None:
@@ -101,14 +224,26 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--calls", type=int, default=5, help="calls per timed sample")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--e2e", action="store_true", help="end-to-end offline decode A/B instead")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="e2e: runs per kernel and concurrency")
+    p.add_argument("--profile", type=int, default=0,
+                   help="e2e: profile this many decode steps at the largest concurrency")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.e2e:
+        run_e2e(args)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, layout {args.layout}, "
           f"q_len {args.q_len}")
     print("| dtype | requests | context | SDPA ms/layer | paged ms/layer | speed-up | "
-          "build SDPA ms | build paged ms | max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "SDPA CPU ms | paged CPU ms | speed-up (CPU) | build SDPA ms | build paged ms | "
+          "max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for dtype_name in args.dtypes:
             for ctx in args.contexts:
@@ -116,6 +251,8 @@ def main() -> None:
                     r = bench_case(args, num_req, ctx, dtype_name)
                     print(f"| {dtype_name} | {num_req} | {ctx} | {r['sdpa_ms']:.3f} | "
                           f"{r['paged_ms']:.3f} | {r['speedup']:.2f}x | "
+                          f"{r['sdpa_cpu_ms']:.3f} | {r['paged_cpu_ms']:.3f} | "
+                          f"{r['sdpa_cpu_ms'] / r['paged_cpu_ms']:.2f}x | "
                           f"{r['build_sdpa_ms']:.3f} | {r['build_paged_ms']:.3f} | "
                           f"{r['max_abs_diff']:.1e} |", flush=True)
 

@@ -59,6 +59,72 @@ inline float exp_nonpos(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+typedef float v16 __attribute__((vector_size(64)));
+
+// Sum each of 16 vectors over its 16 lanes in one fixed tree, giving 16 sums in one vector in
+// the lane order kReducedLane (computed once by reduce16_order).
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    v16 x = a[2 * i], y = a[2 * i + 1];
+    b[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v16 x = b[2 * i], y = b[2 * i + 1];
+    c[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    v16 x = c[2 * i], y = c[2 * i + 1];
+    d[i] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14,
+                                 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                                 31);
+}
+
+// position held by each lane of reduce16's result
+struct ReduceOrder {
+  int pos[kLanes];
+  ReduceOrder() {
+    v16 a[kLanes];
+    for (int l = 0; l < kLanes; ++l)
+      for (int e = 0; e < kLanes; ++e) a[l][e] = static_cast<float>(l);
+    v16 r = reduce16(a);
+    for (int e = 0; e < kLanes; ++e) pos[e] = static_cast<int>(r[e]) / kLanes;
+  }
+};
+const ReduceOrder kReduceOrder;
+
+// acc[0..16C) += sum over l < lmax of p[l] * v[l][0..16C), in order of l, in registers.
+template <int C>
+inline void pv_block(float* __restrict acc, const float* __restrict p,
+                     const float* __restrict v, int64_t lmax) {
+  v16 a[C];
+  std::memcpy(a, acc, sizeof(a));
+  for (int64_t l = 0; l < lmax; ++l) {
+    const float pl = p[l];
+    for (int c = 0; c < C; ++c) {
+      v16 x;
+      std::memcpy(&x, v + l * C * kLanes + c * kLanes, sizeof(v16));
+      a[c] = a[c] + pl * x;
+    }
+  }
+  std::memcpy(acc, a, sizeof(a));
+}
+
+inline void pv_generic(float* __restrict acc, const float* __restrict p,
+                       const float* __restrict v, int64_t lmax, int64_t D) {
+  for (int64_t l = 0; l < lmax; ++l) {
+    const float pl = p[l];
+    for (int64_t d = 0; d < D; ++d) acc[d] += pl * v[l * D + d];
+  }
+}
+
 struct Geometry {
   const int64_t* tables;
   int64_t table_stride;
@@ -68,6 +134,20 @@ struct Geometry {
 
 // Convert positions [j0, j0 + 16) of one kv head to float, transposed to [D][16] (K) or kept as
 // [16][D] (V); positions >= n_valid are zero.
+// Ask for the rows of positions [j0, j0 + 16) of one kv head (K or V) ahead of their use.
+template <typename T>
+inline void prefetch_block(const T* base, const Geometry& g, const int64_t* table, int64_t head,
+                           int which, int64_t j0, int64_t n_valid, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int l = 0; l < kLanes && j0 + l < n_valid; ++l) {
+    const int64_t j = j0 + l;
+    const char* src = reinterpret_cast<const char*>(
+        base + table[j / g.block_size] * g.stride_block + which * g.stride_kv +
+        (j % g.block_size) * g.stride_tok + head * g.stride_head);
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(src + off, 0, 1);
+  }
+}
+
 template <typename T>
 inline void load_block(const T* base, const Geometry& g, const int64_t* table, int64_t head,
                        int which, int64_t j0, int64_t n_valid, int64_t D, float scale,
@@ -89,10 +169,9 @@ inline void load_block(const T* base, const Geometry& g, const int64_t* table, i
       }
     } else {
       float* row = dst + l * D;
-      for (int64_t d = 0; d < D; ++d) {
-        float f = to_float(src[d]);
-        row[d] = use_scale ? f * scale : f;
-      }
+      for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
+      if (use_scale)
+        for (int64_t d = 0; d < D; ++d) row[d] = row[d] * scale;
     }
   }
 }
@@ -119,7 +198,7 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
   // runs a task never changes its result.
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> kblk(D * kLanes), vblk(kLanes * D), qf, scores, acc, denom;
+    std::vector<float> kblk(D * kLanes + kLanes), vblk(kLanes * D), qf, scores, acc, denom;
     std::vector<int64_t> n_of;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
@@ -149,8 +228,36 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
         }
       }
       // scores, one 16-position block at a time
+      const bool vec = D % kLanes == 0;
       for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
-        load_block(cache, geo, table, h, 0, j0, n_max, D, k_scale, use_scale, true, kblk.data());
+        if (j0 + kLanes < n_max) prefetch_block(cache, geo, table, h, 0, j0 + kLanes, n_max, D);
+        load_block(cache, geo, table, h, 0, j0, n_max, D, k_scale, use_scale, !vec, kblk.data());
+        if (vec) {
+          // each score: 16 lanes summed over d in order, then reduce16's fixed tree
+          const int64_t C = D / kLanes;
+          for (int64_t r = 0; r < rows; ++r) {
+            if (j0 >= n_of[r]) continue;
+            const float* qr = qf.data() + r * D;
+            v16 accs[kLanes];
+            for (int l = 0; l < kLanes; ++l) {
+              const float* kr = kblk.data() + l * D;
+              v16 qv, kv;
+              std::memcpy(&qv, qr, sizeof(v16));
+              std::memcpy(&kv, kr, sizeof(v16));
+              v16 a = qv * kv;
+              for (int64_t c = 1; c < C; ++c) {
+                std::memcpy(&qv, qr + c * kLanes, sizeof(v16));
+                std::memcpy(&kv, kr + c * kLanes, sizeof(v16));
+                a = a + qv * kv;
+              }
+              accs[l] = a;
+            }
+            v16 sums = reduce16(accs);
+            float* sr = scores.data() + r * n_pad + j0;
+            for (int e = 0; e < kLanes; ++e) sr[kReduceOrder.pos[e]] = sums[e] * scale;
+          }
+          continue;
+        }
         for (int64_t r = 0; r < rows; ++r) {
           if (j0 >= n_of[r]) continue;
           const float* qr = qf.data() + r * D;
@@ -185,6 +292,7 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       // weighted sum of V in order of position
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
+        if (j0 + kLanes < n_max) prefetch_block(cache, geo, table, h, 1, j0 + kLanes, n_max, D);
         load_block(cache, geo, table, h, 1, j0, n_max, D, v_scale, use_scale, false, vblk.data());
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t n = n_of[r];
@@ -192,10 +300,10 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
           const int64_t lmax = std::min<int64_t>(kLanes, n - j0);
           const float* pr = scores.data() + r * n_pad + j0;
           float* ar = acc.data() + r * D;
-          for (int64_t l = 0; l < lmax; ++l) {
-            const float p = pr[l];
-            const float* vr = vblk.data() + l * D;
-            for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
+          switch (D) {
+            case 64: pv_block<4>(ar, pr, vblk.data(), lmax); break;
+            case 128: pv_block<8>(ar, pr, vblk.data(), lmax); break;
+            default: pv_generic(ar, pr, vblk.data(), lmax, D); break;
           }
         }
       }
