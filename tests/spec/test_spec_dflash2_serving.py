@@ -231,3 +231,45 @@ def test_chi_square_helper_is_the_shared_one():
     # the same statistic as tests/spec/test_spec_sampling.py (sanity: a fair sample passes)
     probs = {0: 0.5, 1: 0.5}
     assert chi_square_pvalue(Counter({0: 500, 1: 500}), probs, 1000)[1] > 0.5
+
+
+def test_reduced_draft_vocabulary_keeps_greedy_exact(qwen3_target, tmp_path, baseline_cache):
+    """A DFlash2 draft with d2t: candidates are draft-vocabulary rows mapped to target ids,
+    the codebooks are indexed by target id."""
+    from .helpers import add_draft_vocab
+
+    save_dflash2(tmp_path, seed=32, init=0.3)
+    add_draft_vocab(tmp_path, list(range(3, 200, 2)))
+    prompts = random_prompts([6, 15], seed=8)
+    want = baseline_cache(qwen3_target, prompts, [20, 20])
+    llm = make_llm(qwen3_target, {"method": "dflash", "model": str(tmp_path),
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    proposer, proposed = llm.engine.proposer, []
+    choose = proposer.choose
+
+    def recorded(*a):
+        out = choose(*a)
+        proposed.extend(t for d in out.values() for t in d)
+        return out
+
+    proposer.choose = recorded
+    got = token_ids(llm.generate(prompts, [greedy(20)] * 2))
+    assert_same_tokens(got, want, "d2t")
+    assert proposed and set(proposed) <= set(range(3, 200, 2))
+    assert llm.get_spec_decoding_stats().num_drafts > 0
+
+
+def test_rejection_path_with_logprobs_and_penalties(qwen3_target, dflash2_dir, monkeypatch):
+    """Unseeded sampled requests with logprobs and penalties go through rejection sampling
+    and return one logprob entry per token."""
+    count = _Count(monkeypatch)
+    llm = make_llm(qwen3_target, {"method": "dflash", "model": str(dflash2_dir),
+                                  "num_speculative_tokens": 3, "adaptive": False})
+    params = SamplingParams(max_tokens=16, temperature=1.0, logprobs=2, repetition_penalty=1.3,
+                            presence_penalty=0.5, ignore_eos=True)
+    outs = llm.generate(random_prompts([5, 9, 14], seed=9), params)
+    assert count.calls > 0
+    for o in outs:
+        c = o.outputs[0]
+        assert len(c.token_ids) == 16 and len(c.logprobs) == 16
+        assert all(lp.token_id == t and len(lp.top) == 2 for lp, t in zip(c.logprobs, c.token_ids))
