@@ -79,11 +79,11 @@ class ServerState:
         mc = engine.config.model
         self.ctx = ServingContext(
             config=self.config, engine=self.engine,
-            tokens=TokenizerService(self._tokenizer, mc.vocab_size),
+            tokens=TokenizerService(self._tokenizer, mc.vocab_size, mc.max_model_len),
             limits=Limits(self.config.max_n, self.config.max_logprobs, mc.vocab_size,
                           mc.max_model_len),
             defaults=dict(engine.generation_defaults), max_model_len=mc.max_model_len,
-            model_path=str(mc.path), draining=self.draining)
+            model_path=str(mc.path), metrics=self.metrics)
         info = dict(engine.startup_info)
         log.info("engine ready: %s", ", ".join(f"{k}={v}" for k, v in info.items()))
         log.info("serving %s (max_model_len=%d, generation defaults %s)",
@@ -106,15 +106,14 @@ class ServerState:
 
     async def drain(self, timeout: float) -> None:
         """Refuse new work, wait up to ``timeout`` s for in-flight requests, abort the rest
-        (their streams end with ``finish_reason="abort"`` and ``[DONE]``). Idempotent."""
+        (they are answered 503; their streams end with an SSE error event and ``[DONE]``).
+        Idempotent."""
         if self._drain_task is None:
             self._drain_task = asyncio.ensure_future(self._drain(timeout))
         await asyncio.shield(self._drain_task)
 
     async def _drain(self, timeout: float) -> None:
         self.draining = True
-        if self.ctx is not None:
-            self.ctx.draining = True
         loop = asyncio.get_running_loop()
         if self.engine.num_streams:
             log.info("draining: %d in-flight requests, waiting up to %.1fs",
@@ -149,8 +148,11 @@ def build_app(config: ServerConfig, engine_config: EngineConfig,
     app.state.specserve = state
     install_error_handlers(app)
     if config.api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
-    limit = config.max_body_bytes
+        open_paths = ("/health", "/ping") + (("/metrics",) if config.metrics_without_auth else ())
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys, open_paths=open_paths)
+
+    async def body(request: Request) -> dict[str, Any]:
+        return await read_json(request, config.max_body_bytes, config.body_timeout)
 
     created = int(time.time())
 
@@ -187,17 +189,16 @@ def build_app(config: ServerConfig, engine_config: EngineConfig,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_json(request, limit)
-        return await create_completion(state.require_ctx(), request, body)
+        return await create_completion(state.require_ctx(), request, await body(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_json(request, limit)
-        return await create_chat_completion(state.require_ctx(), request, body)
+        return await create_chat_completion(state.require_ctx(), request,
+                                            await body(request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(TokenizeRequest, await read_json(request, limit))
+        req = parse_body(TokenizeRequest, await body(request))
         ctx = state.require_ctx()
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -207,7 +208,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig,
                 req.messages, add_generation_prompt=req.add_generation_prompt is not False,
                 continue_final_message=bool(req.continue_final_message),
                 template_kwargs=req.chat_template_kwargs)
-            ids = await ctx.tokens.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            ids = await ctx.tokens.encode(text, add_special_tokens=bool(req.add_special_tokens),
+                                          param="messages")
         else:
             ids = await ctx.tokens.encode(req.prompt or "",
                                           add_special_tokens=req.add_special_tokens is not False)
@@ -219,7 +221,7 @@ def build_app(config: ServerConfig, engine_config: EngineConfig,
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = parse_body(DetokenizeRequest, await read_json(request, limit))
+        req = parse_body(DetokenizeRequest, await body(request))
         ctx = state.require_ctx()
         ctx.check_model(req.model)
         return {"prompt": await ctx.tokens.decode(req.tokens)}

@@ -235,22 +235,11 @@ class AsyncEngine:
 
     def _add_all(self, engine: LLMEngine, stream: RequestStream,
                  subs: Sequence[SubRequest]) -> None:
-        for sub in subs:
-            engine.validate(sub.prompt_token_ids, sub.params)
-        limit = engine.config.scheduler.max_waiting_requests
-        if limit is not None and engine.num_waiting + len(subs) > limit:
-            raise QueueFullError(
-                f"The waiting queue is full ({limit} requests); retry later")
-        added: list[str] = []
-        try:
-            for index, sub in enumerate(subs):
-                engine.add_request(sub.request_id, sub.prompt_token_ids, sub.params,
-                                   prompt=sub.prompt)
-                added.append(sub.request_id)
-                self._routes[sub.request_id] = (stream, index)
-        except BaseException:
-            self._abort_routes(engine, added, notify=False)
-            raise
+        # all or nothing, validated and checked against the waiting queue once
+        engine.add_requests([(s.request_id, s.prompt_token_ids, s.params, s.prompt)
+                             for s in subs])
+        for index, sub in enumerate(subs):
+            self._routes[sub.request_id] = (stream, index)
 
     def _abort_routes(self, engine: LLMEngine, request_ids: Sequence[str], notify: bool) -> None:
         batch: list[tuple[RequestStream, Event]] = []

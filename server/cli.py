@@ -11,6 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from server import __version__
+from server.config import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_BODY_BYTES,
+)
 
 log = logging.getLogger("specserve.server")
 
@@ -47,11 +54,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help="names accepted in `model`; the first is used in responses and "
                           "metrics (default: MODEL)")
     net.add_argument("--api-key", action="append", default=None,
-                     help=f"require `Authorization: Bearer KEY` on /v1/* (repeatable; env "
-                          f"{API_KEY_ENV})")
+                     help=f"require `Authorization: Bearer KEY` on every endpoint except "
+                          f"/health and /ping (repeatable; env {API_KEY_ENV})")
+    net.add_argument("--metrics-without-auth", action="store_true",
+                     help="with --api-key, let /metrics answer without the key (for a "
+                          "Prometheus scraper on a trusted network)")
     net.add_argument("--max-logprobs", type=int, default=20)
     net.add_argument("--request-timeout", type=float, default=None,
-                     help="seconds after which a request is aborted (finish_reason abort)")
+                     help="seconds after which a request is aborted and answered with an error "
+                          "(503 if it never started generating, else 504 / an SSE error event)")
+    net.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="larger request bodies get 413")
+    net.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                     help="seconds a client may take to send a request's headers (then 408 and "
+                          "the connection is closed)")
+    net.add_argument("--http-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                     help="seconds a client may take to send a request's body (then 408)")
+    net.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE,
+                     help="seconds an idle keep-alive connection stays open")
+    net.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
+                     help="connections plus in-flight requests; past it new requests get 503")
     net.add_argument("--shutdown-timeout", type=float, default=0.0,
                      help="seconds in-flight requests may finish after SIGTERM")
     net.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")
@@ -66,7 +88,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     eng.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     eng.add_argument("--max-waiting-requests", type=int, default=None,
-                     help="waiting-queue bound; past it requests get 503 + Retry-After")
+                     help="waiting-queue bound; past it requests get 503 + Retry-After (a "
+                          "request with more sequences than the bound, prompts x n, gets 400)")
     eng.add_argument("--block-size", type=int, default=d.block_size)
     eng.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype)
     eng.add_argument("--kv-cache-layout", default=None, help="NHD or HND (default: chosen)")
@@ -135,7 +158,11 @@ def serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(
             served_model_names=names, api_keys=keys, max_logprobs=args.max_logprobs,
             request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout,
-            log_stats_interval=0.0 if args.disable_log_stats else 10.0)
+            log_stats_interval=0.0 if args.disable_log_stats else 10.0,
+            metrics_without_auth=args.metrics_without_auth,
+            max_body_bytes=args.max_request_body_bytes, header_timeout=args.http_header_timeout,
+            body_timeout=args.http_body_timeout, timeout_keep_alive=args.timeout_keep_alive,
+            limit_concurrency=args.limit_concurrency)
         engine_config = EngineArgs(**engine_kwargs).create_engine_config()
     except (ValueError, OSError) as exc:  # ConfigError, UnknownModelError, ModelConfigError
         print(f"specserve serve: error: {exc}", file=sys.stderr)

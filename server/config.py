@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request may take to send its body
+DEFAULT_KEEP_ALIVE = 5.0  # seconds an idle keep-alive connection is kept
+DEFAULT_LIMIT_CONCURRENCY = 512  # connections + in-flight requests before uvicorn's 503
 
 
 class ServerConfigError(ValueError):
@@ -22,6 +26,11 @@ class ServerConfig:
     shutdown_timeout: float = 0.0  # seconds in-flight requests may run after SIGTERM
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
+    metrics_without_auth: bool = False  # /metrics answers without the API key
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    timeout_keep_alive: float = DEFAULT_KEEP_ALIVE
+    limit_concurrency: int | None = DEFAULT_LIMIT_CONCURRENCY
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
@@ -39,7 +48,16 @@ class ServerConfig:
             raise ServerConfigError(
                 f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         if self.max_body_bytes < 1024:
-            raise ServerConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+            raise ServerConfigError(
+                f"--max-request-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        for flag, value in (("--http-header-timeout", self.header_timeout),
+                            ("--http-body-timeout", self.body_timeout),
+                            ("--timeout-keep-alive", self.timeout_keep_alive)):
+            if not value > 0:
+                raise ServerConfigError(f"{flag} must be > 0 seconds, got {value}")
+        if self.limit_concurrency is not None and self.limit_concurrency < 1:
+            raise ServerConfigError(
+                f"--limit-concurrency must be >= 1, got {self.limit_concurrency}")
 
     @property
     def model_name(self) -> str:

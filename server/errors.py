@@ -33,6 +33,7 @@ _TYPE_NAMES = MappingProxyType({
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 })
 
 
@@ -84,12 +85,26 @@ class NotFoundError(APIError):
     status = 404
 
 
+class RequestTimeoutError(APIError):
+    status = 408
+
+
 class PayloadTooLargeError(APIError):
     status = 413
 
 
+class UnsupportedMediaTypeError(APIError):
+    status = 415
+
+
 class InternalServerError(APIError):
     status = 500
+
+
+class GatewayTimeoutError(APIError):
+    """A request that ran past ``--request-timeout`` after it had started generating."""
+
+    status = 504
 
 
 class ServiceUnavailableError(APIError):
@@ -103,12 +118,22 @@ class ServiceUnavailableError(APIError):
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param,
-                      "code": status}}
+    return {"error": {"message": encodable(message), "type": error_type(status),
+                      "param": None if param is None else encodable(param), "code": status}}
+
+
+def encodable(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (lone surrogates) escaped, so an error
+    message that quotes client input can always be sent."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def model_not_found(name: object) -> NotFoundError:
-    return NotFoundError(f"The model `{name}` does not exist.", "model")
+    return NotFoundError(f"The model `{encodable(str(name))}` does not exist.", "model")
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> BadRequestError:

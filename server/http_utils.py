@@ -16,7 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import BadRequestError, PayloadTooLargeError, error_body, from_validation_error
+from server.errors import (
+    BadRequestError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+    UnsupportedMediaTypeError,
+    error_body,
+    from_validation_error,
+)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -30,8 +37,23 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """Read at most ``limit`` bytes and parse a JSON object, with 400/413 errors."""
+def check_json_content_type(request: Request) -> None:
+    """POST bodies must be declared JSON. A ``text/plain`` (or missing) type is what a web
+    page can send cross-origin without a CORS preflight, so accepting it would let any page
+    drive a local server."""
+    ctype = request.headers.get("content-type")
+    media = (ctype or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/")
+                                           and media.endswith("+json")):
+        raise UnsupportedMediaTypeError(
+            f"Content-Type must be application/json, got {ctype or 'none'}")
+
+
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> dict[str, Any]:
+    """Check the content type, read at most ``limit`` bytes within ``timeout`` seconds and
+    parse a JSON object, with 400/408/413/415 errors. Strings that UTF-8 cannot carry (lone
+    surrogates from ``\\ud800`` escapes) are refused here, before anything else sees them."""
+    check_json_content_type(request)
     length = request.headers.get("content-length")
     if length is not None:
         if not length.strip().isdigit():
@@ -39,15 +61,14 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if int(length) > limit:
             raise PayloadTooLargeError(
                 f"The request body is {int(length)} bytes; the limit is {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"The request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
     try:
-        text = b"".join(chunks).decode("utf-8")
+        raw = await asyncio.wait_for(_read_body(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise RequestTimeoutError(  # the rest of the body is never read: close after this
+            f"The request body was not received within {timeout:g} seconds",
+            headers={"Connection": "close"}) from None
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequestError(f"The request body is not valid UTF-8: {exc}") from exc
     if not text.strip():
@@ -61,7 +82,50 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise BadRequestError(f"Malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequestError("The request body must be a JSON object")
+    where = _unencodable(body, [])
+    if where is not None:
+        param = ".".join(where) or None
+        raise BadRequestError(
+            f"Invalid string{f' at `{param}`' if param else ''}: lone UTF-16 surrogates "
+            "(\\ud800-\\udfff) are not valid Unicode text", param)
     return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"The request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _unencodable(value: Any, path: list[str]) -> list[str] | None:
+    """The path of the first string (value or key) holding a surrogate, else None."""
+    stack: list[tuple[Any, list[str]]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return where
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if not _is_text(key):
+                    return [*where, key.encode("utf-8", "backslashreplace").decode()]
+                stack.append((sub, [*where, key]))
+        elif isinstance(item, list):
+            stack.extend((sub, [*where, str(i)]) for i, sub in enumerate(item))
+    return None
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_body(model: type[M], body: dict[str, Any]) -> M:
@@ -147,20 +211,19 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class APIKeyMiddleware:
-    """Bearer-token auth on ``/v1`` paths (OPTIONS and other paths pass), compared in
-    constant time over SHA-256 digests; 401 in the nested error shape."""
+    """Bearer-token auth on every path except ``open_paths`` (health checks), compared in
+    constant time over SHA-256 digests; 401 in the nested error shape. CORS preflights
+    (OPTIONS) pass: they carry no credentials and run no handler."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str], prefixes: Sequence[str] = ("/v1",)):
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str],
+                 open_paths: Sequence[str] = ("/health", "/ping")):
         self.app = app
         self._digests = [hashlib.sha256(k.encode()).digest() for k in api_keys]
-        self._prefixes = tuple(prefixes)
-
-    def _guarded(self, path: str) -> bool:
-        return any(path == p or path.startswith(p + "/") for p in self._prefixes)
+        self._open = frozenset(open_paths)
 
     def _authorized(self, header: str) -> bool:
         scheme, _, token = header.partition(" ")
-        digest = hashlib.sha256(token.strip().encode()).digest()
+        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
         ok = False
         for expected in self._digests:
             ok |= hmac.compare_digest(digest, expected)
@@ -168,7 +231,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS" or not self._digests
-                or not self._guarded(scope.get("path", ""))):
+                or scope.get("path", "") in self._open):
             await self.app(scope, receive, send)
             return
         if self._authorized(Headers(scope=scope).get("authorization", "")):

@@ -3,20 +3,32 @@
 uvicorn runs the lifespan shutdown only after every connection has closed, so a long stream
 would hold shutdown forever (or be cancelled without a final event). ``SpecServer`` therefore
 drains first: new requests get 503, in-flight ones may finish within ``--shutdown-timeout``,
-the rest are aborted with a proper final event; then uvicorn closes sockets as usual.
+the rest are aborted with a final error event (503); then uvicorn closes sockets as usual.
+
+Slow clients: uvicorn bounds idle keep-alive connections but not a request whose headers
+trickle in, so ``GuardedH11Protocol`` closes a connection (after a 408) whose request headers
+are not complete ``header_timeout`` seconds after its first byte (or after the connection
+opened). Bodies are bounded by ``read_json``'s timeout; ``limit_concurrency`` caps
+connections plus in-flight requests (uvicorn answers 503 past it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import signal
 import socket
 from types import FrameType
+from typing import Any
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.app import ServerState
+from server.errors import error_body
 
 log = logging.getLogger("specserve.server")
 
@@ -51,8 +63,65 @@ class SpecServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on receiving each request's headers."""
+
+    header_timeout = 10.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self._header_timer is None:  # the first bytes of a new request's headers
+                self._arm_header_timer()
+        else:
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._cancel_header_timer()  # an idle connection is the keep-alive timer's business
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        body = json.dumps(error_body(
+            f"The request headers were not received within {self.header_timeout:g} seconds",
+            408)).encode()
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+            + body)
+        self.transport.close()
+
+
 def make_server(app: FastAPI, host: str, port: int, log_level: str = "info",
                 access_log: bool = True) -> SpecServer:
+    state: ServerState = app.state.specserve
+    cfg = state.config
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,),
+                    {"header_timeout": cfg.header_timeout})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_keep_alive=5, access_log=access_log)
-    return SpecServer(config, app.state.specserve)
+                            http=protocol, timeout_keep_alive=cfg.timeout_keep_alive,
+                            limit_concurrency=cfg.limit_concurrency, access_log=access_log)
+    return SpecServer(config, state)

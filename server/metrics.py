@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -116,6 +116,12 @@ class ServingMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              LABELS, buckets=E2E_BUCKETS, registry=self.registry).labels(**labels)
         self.registry.register(_EngineCollector(labels, snapshot, cache_info, speculative))
+        timeouts = Counter("specserve:request_timeouts",
+                           "Requests aborted by --request-timeout and answered with an error, "
+                           "by stage (waiting: no token yet; generating: partial output).",
+                           [*LABELS, "stage"], registry=self.registry)
+        self._timeouts = {stage: timeouts.labels(**labels, stage=stage)
+                          for stage in ("waiting", "generating")}
         self._last_output: dict[str, float] = {}  # loop thread only
         self._logger = StatLogger(log_interval) if log_interval > 0 else None
 
@@ -136,6 +142,10 @@ class ServingMetrics:
                 self._last_output.pop(out.request_id, None)
                 if m.get("arrival_time") is not None:
                     self.e2e.observe(max(0.0, now - m["arrival_time"]))
+
+    def on_timeout(self, stage: str) -> None:
+        """A request timed out (event loop); ``stage`` is "waiting" or "generating"."""
+        self._timeouts[stage].inc()
 
     def on_aborted(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

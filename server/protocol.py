@@ -1,7 +1,9 @@
 """Request schemas (pydantic) for the OpenAI-compatible and vLLM-extra endpoints.
 
 Unknown fields are ignored (like vLLM); NaN and infinities are rejected everywhere, because a
-single non-finite sampling value could poison an engine step shared by every request.
+single non-finite sampling value could poison an engine step shared by every request. Types
+are strict, as in the OpenAI API: ``"stream": "yes"``, ``"max_tokens": "10"`` or
+``"seed": "42"`` are 400s, not coerced (an integer is still a valid float).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, protected_namespaces=(),
+                              strict=True)
 
 
 class StreamOptions(_Base):

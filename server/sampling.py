@@ -7,7 +7,6 @@ here so the engine never sees a value that could fail a whole step.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,16 +99,6 @@ def build_params(
         )
     except SamplingParamsError as exc:
         raise BadRequestError(str(exc), exc.param) from exc
-
-
-def split_n(params: SamplingParams) -> list[SamplingParams]:
-    """One engine request per sample; seeded requests get ``seed + i``."""
-    if params.n == 1:
-        return [params]
-    return [
-        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-        for i in range(params.n)
-    ]
 
 
 def _pick(value: Any, defaults: Mapping[str, Any], key: str, fallback: Any) -> Any:

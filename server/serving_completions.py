@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.outputs import Logprob
-from server.engine_types import RequestStream
 from server.errors import BadRequestError
-from server.http_utils import (
-    SSE_DONE,
-    ClientDisconnected,
-    SSEResponse,
-    cancel_on_disconnect,
-    parse_body,
-    sse,
-)
+from server.http_utils import parse_body
 from server.protocol import CompletionRequest, Prompt
 from server.sampling import build_params
 from server.serving_common import (
     ChoiceState,
-    collect,
     PreparedPrompt,
     ServingContext,
-    follow,
+    StreamFormat,
     make_choices,
     new_id,
-    unexpected_error,
+    respond,
     usage,
 )
 
@@ -43,7 +32,6 @@ async def create_completion(ctx: ServingContext, request: Request,
                             body: dict[str, Any]) -> Response:
     req = parse_body(CompletionRequest, body)
     model = ctx.check_model(req.model)
-    ctx.check_accepting()
     if req.stream_options is not None and not req.stream:
         raise BadRequestError("stream_options is only allowed when stream is true",
                               "stream_options")
@@ -63,6 +51,7 @@ async def create_completion(ctx: ServingContext, request: Request,
     prompts = await prepare_prompts(ctx, req.prompt, n, need_text=echo)
     rid, created = new_id("cmpl"), int(time.time())
     choices = make_choices(prompts, n)
+    with_logprobs, token_ids = req.logprobs is not None, bool(req.return_token_ids)
     if echo and max_tokens == 0:
         if req.stream:
             raise BadRequestError("max_tokens=0 with echo is only supported without streaming",
@@ -70,24 +59,42 @@ async def create_completion(ctx: ServingContext, request: Request,
         for c in choices:
             c.finish_reason = "length"
         return JSONResponse(_response(ctx, rid, created, model, choices, prompts, echo, False,
-                                      bool(req.return_token_ids)))
+                                      token_ids))
     stream = await ctx.submit(rid, prompts, params, "prompt")
+    fmt = None
     if req.stream:
         opts = req.stream_options
-        events = _stream(ctx, stream, choices, prompts, rid, created, model, echo,
-                         logprobs=req.logprobs is not None,
-                         token_ids=bool(req.return_token_ids),
-                         include_usage=bool(opts and opts.include_usage),
-                         continuous=bool(opts and opts.continuous_usage_stats))
-        return SSEResponse(events, on_close=lambda: ctx.engine.release(stream))
-    try:
-        await cancel_on_disconnect(request, collect(ctx, stream, choices))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        ctx.engine.release(stream)
-    return JSONResponse(_response(ctx, rid, created, model, choices, prompts, echo,
-                                  req.logprobs is not None, bool(req.return_token_ids)))
+
+        def prelude(c: ChoiceState) -> dict[str, Any] | None:
+            if not echo:
+                return None
+            return {"index": c.index, "text": c.prompt.text or "", "logprobs": None,
+                    "finish_reason": None, "stop_reason": None}
+
+        def delta(c: ChoiceState) -> dict[str, Any] | None:
+            text = c.text[c.sent_text:]
+            new = (c.logprobs or [])[c.sent_tokens:] if with_logprobs else []
+            new_ids = token_ids and len(c.token_ids) > c.sent_tokens
+            if not text and not new and not new_ids and not c.done:
+                return None
+            offset = (len(c.prompt.text or "") if echo else 0) + c.sent_text
+            entry: dict[str, Any] = {
+                "index": c.index, "text": text,
+                "logprobs": logprobs_block(ctx, new, offset) if with_logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason if c.done else None}
+            if token_ids:
+                entry["token_ids"] = c.token_ids[c.sent_tokens:]
+            return entry
+
+        fmt = StreamFormat("text_completion", rid, created, model,
+                           include_usage=bool(opts and opts.include_usage),
+                           continuous_usage=bool(opts and opts.continuous_usage_stats),
+                           prelude=prelude, delta=delta)
+    return await respond(
+        ctx, request, stream, choices, prompts, fmt,
+        lambda: _response(ctx, rid, created, model, choices, prompts, echo, with_logprobs,
+                          token_ids))
 
 
 async def prepare_prompts(ctx: ServingContext, prompt: Prompt, n: int = 1,
@@ -106,10 +113,13 @@ async def prepare_prompts(ctx: ServingContext, prompt: Prompt, n: int = 1,
     if len(items) * n > MAX_CHOICES:
         raise BadRequestError(f"A request may ask for at most {MAX_CHOICES} choices (prompts "
                               f"x n), got {len(items) * n}", "n")
-    out = []
-    for item in items:
+    for item in items:  # every check before any tokenization
         if not item:
             raise BadRequestError("prompt must not be empty", "prompt")
+        if isinstance(item, str):
+            ctx.tokens.check_text_length(item, "prompt")
+    out = []
+    for item in items:
         if isinstance(item, str):
             out.append(PreparedPrompt(item, await ctx.tokens.encode(item)))
             continue
@@ -151,43 +161,3 @@ def _response(ctx: ServingContext, rid: str, created: int, model: str,
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out, "usage": usage(prompts, choices), "system_fingerprint": None}
 
-
-async def _stream(ctx: ServingContext, stream: RequestStream, choices: list[ChoiceState],
-                  prompts: list[PreparedPrompt], rid: str, created: int, model: str,
-                  echo: bool, *, logprobs: bool, token_ids: bool, include_usage: bool,
-                  continuous: bool) -> AsyncIterator[str]:
-    def chunk(entries: list[dict[str, Any]], final_usage: bool = False) -> str:
-        body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                "model": model, "choices": entries, "usage": None}
-        if final_usage or continuous:
-            body["usage"] = usage(prompts, choices)
-        return sse(body)
-
-    try:
-        if echo:
-            for c in choices:
-                yield chunk([{"index": c.index, "text": c.prompt.text or "", "logprobs": None,
-                              "finish_reason": None, "stop_reason": None}])
-        async for changed in follow(stream, choices, ctx.engine, ctx.config.request_timeout):
-            for c in changed:
-                delta = c.text[c.sent_text:]
-                new = (c.logprobs or [])[c.sent_tokens:] if logprobs else []
-                new_ids = token_ids and len(c.token_ids) > c.sent_tokens
-                if not delta and not new and not new_ids and not c.done:
-                    continue
-                offset = (len(c.prompt.text or "") if echo else 0) + c.sent_text
-                block = logprobs_block(ctx, new, offset) if logprobs else None
-                entry = {"index": c.index, "text": delta, "logprobs": block,
-                         "finish_reason": c.finish_reason,
-                         "stop_reason": c.stop_reason if c.done else None}
-                if token_ids:
-                    entry["token_ids"] = c.token_ids[c.sent_tokens:]
-                c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
-                yield chunk([entry])
-        if include_usage:
-            yield chunk([], final_usage=True)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - becomes an SSE error event
-        yield sse(unexpected_error(exc).body())
-    yield SSE_DONE

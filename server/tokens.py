@@ -4,6 +4,15 @@ The server owns its own tokenizer instance (the engine's is used by the engine t
 detokenization) and runs encode and template rendering in a one-thread executor, so a
 multi-megabyte prompt never blocks the event loop and the Rust tokenizer is never entered
 from two threads at once.
+
+Text that is certainly longer than ``max_model_len`` tokens is refused before it is tokenized
+(tokenizing 1 MB costs over a second). The bound is sound, not a guess: without a normalizer
+(byte-level BPE as in Llama 3, Qwen, SmolLM; SentencePiece byte fallback), each token stands
+for a piece of the text no longer than its own vocabulary string (``convert_ids_to_tokens``:
+one character per byte for byte-level tokens, and special tokens match their literal text), so
+a text of C characters has at least C / L tokens, where L is the longest vocabulary string.
+Text longer than ``max_model_len * L`` characters therefore cannot fit. A tokenizer with a
+normalizer (which may delete characters) gets no such bound; the body size limit still holds.
 """
 
 from __future__ import annotations
@@ -27,9 +36,16 @@ RESERVED_KWARGS = frozenset({
 
 
 class TokenizerService:
-    def __init__(self, tokenizer: Any | None, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any | None, vocab_size: int,
+                 max_model_len: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_text_chars: int | None = None  # longer text cannot fit in max_model_len
+        if tokenizer is not None and max_model_len is not None:
+            longest = longest_token_chars(tokenizer)
+            if longest is not None:
+                self.max_text_chars = max_model_len * longest
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tok")
         self.token_str: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(
             self._token_str)
@@ -46,8 +62,19 @@ class TokenizerService:
             raise BadRequestError("This model has no tokenizer; send token ids", param)
         return self.tokenizer
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self._require("prompt")
+    def check_text_length(self, text: str, param: str) -> None:
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"the {param} is {len(text)} characters long, which is more than "
+                f"{self.max_model_len} tokens for this tokenizer (at most "
+                f"{self.max_text_chars // self.max_model_len} characters per token). Please "
+                "reduce the length of the prompt.", param)
+
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[int]:
+        self._require(param)
+        self.check_text_length(text, param)
         return await self._run(
             lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
@@ -102,7 +129,7 @@ class TokenizerService:
     async def chat_ids(self, messages: Sequence[ChatMessage], **kwargs: Any) -> tuple[str, list[int]]:
         text = await self.render_chat(messages, **kwargs)
         # the template already holds any BOS, so no special tokens are added (like vLLM)
-        return text, await self.encode(text, add_special_tokens=False)
+        return text, await self.encode(text, add_special_tokens=False, param="messages")
 
     # -- token strings ----------------------------------------------------------------------
     def _token_str(self, token_id: int) -> str:
@@ -110,8 +137,18 @@ class TokenizerService:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def token_strs(self, ids: Sequence[int]) -> list[str]:
-        return [self.token_str(t) for t in ids]
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The longest vocabulary string (added tokens included), or None when the tokenizer
+    normalizes its input (the text-length bound would not be sound) or cannot say."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    except Exception:  # noqa: BLE001 - no bound rather than no server
+        return None
+    return max((len(p) for p in pieces if isinstance(p, str)), default=0) or None
 
 
 def _plain_message(message: ChatMessage, index: int) -> dict[str, str]:

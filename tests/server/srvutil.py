@@ -52,18 +52,20 @@ class RunningServer:
                              max_retries=0, timeout=120)
 
     def metrics(self) -> dict[str, float]:
-        return scrape(self.base_url)
+        return scrape(self.base_url, self.headers)
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(60)
 
 
-def scrape(base_url: str) -> dict[str, float]:
+def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """``/metrics`` as {'name{label="v",...}': value} using prometheus_client's parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(base_url + "/metrics", timeout=30).text
+    r = httpx.get(base_url + "/metrics", timeout=30, headers=headers)
+    assert r.status_code == 200, r.text
+    text = r.text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -164,10 +164,10 @@ def test_auth(srv: RunningServer) -> None:
         err = assert_error(httpx.post(srv.url(C), json=body, headers=headers), 401)
         assert err["type"] == "AuthenticationError"
     assert_error(httpx.get(srv.url("/v1/models")), 401)
-    # only /v1 is guarded
+    # every endpoint but the health checks is guarded (see test_server_hardening.py)
     assert httpx.get(srv.url("/health")).status_code == 200
-    assert httpx.get(srv.url("/metrics")).status_code == 200
-    assert httpx.post(srv.url("/tokenize"), json={"prompt": "a"}).status_code == 200
+    assert_error(httpx.get(srv.url("/metrics")), 401)
+    assert_error(httpx.post(srv.url("/tokenize"), json={"prompt": "a"}), 401)
     ok = httpx.post(srv.url(C), json=body, headers={"Authorization": f"Bearer {KEY}"})
     assert ok.status_code == 200
 

@@ -13,19 +13,19 @@ from srvutil import MODEL, RunningServer, assert_error, sse_events, start_server
 
 from engine.engine import LLMEngine
 
-POISON = [7, 7, 7, 7]  # a prompt whose add_request raises an unexpected error
+POISON = [7, 7, 7, 7]  # a prompt whose add_requests raises an unexpected error
 
 
 class FaultyEngine(LLMEngine):
     """The real engine, plus a switch that makes ``step()`` raise, and a prompt that makes
-    ``add_request`` raise."""
+    ``add_requests`` raise."""
 
     fail = threading.Event()
 
-    def add_request(self, request_id, prompt_token_ids, params, prompt=None):  # type: ignore[override]
-        if list(prompt_token_ids) == POISON:
+    def add_requests(self, requests):  # type: ignore[override]
+        if any(list(ids) == POISON for _, ids, _, _ in requests):
             raise RuntimeError("injected add_request failure")
-        return super().add_request(request_id, prompt_token_ids, params, prompt)
+        return super().add_requests(requests)
 
     def step(self):  # type: ignore[override]
         if self.fail.is_set():
@@ -77,11 +77,15 @@ def test_step_failure_fails_in_flight_requests(srv: RunningServer) -> None:
     deadline = time.monotonic() + 10
     while srv.state.engine.snapshot.running < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
+    # both requests must be generating when the step fails; otherwise the plain request
+    # would only meet an already dead engine and this test would prove nothing about it
+    assert srv.state.engine.snapshot.running == 2
     FaultyEngine.fail.set()
     for t in threads:
         t.join(30)
     events = results["stream"]
     assert events[-1] == "[DONE]"
+    assert any(e["choices"][0]["text"] for e in events[:-2]), "the stream had started"
     err = events[-2]["error"]
     assert err["code"] == 500 and "injected engine failure" in err["message"]
     assert_error(results["plain"], 500, contains="injected engine failure")  # type: ignore[arg-type]

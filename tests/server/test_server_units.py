@@ -11,7 +11,7 @@ from server.config import ServerConfig, ServerConfigError
 from server.engine_types import AbortedEvent, OutputEvent, RequestStream
 from server.errors import BadRequestError, error_body, error_type
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.sampling import Limits, build_params, split_n
+from server.sampling import Limits, build_params
 
 LIMITS = Limits(max_n=16, max_logprobs=20, vocab_size=100, max_model_len=64)
 
@@ -34,7 +34,7 @@ def test_default_precedence_request_then_model_then_openai() -> None:
 def test_tiny_temperature_is_greedy_and_n_splits_seeds() -> None:
     assert params(CompletionRequest(prompt="x", temperature=1e-30)).temperature == 0.0
     p = params(CompletionRequest(prompt="x", n=3, seed=5))
-    assert [s.seed for s in split_n(p)] == [5, 6, 7] and all(s.n == 1 for s in split_n(p))
+    assert [s.seed for s in p.split()] == [5, 6, 7] and all(s.n == 1 for s in p.split())
 
 
 @pytest.mark.parametrize("fields,param", [
@@ -98,3 +98,86 @@ def test_request_stream_merges_cumulative_outputs() -> None:
         assert stream.finished
 
     asyncio.run(run())
+
+
+class _FakeEngine:
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def abort(self, stream: RequestStream, notify: bool = False) -> None:
+        self.aborted += 1
+
+
+def _ctx(timeout: float):
+    from server.metrics import ServingMetrics
+    from server.serving_common import ServingContext
+    from server.tokens import TokenizerService
+
+    from server.engine_types import EngineSnapshot
+
+    metrics = ServingMetrics("m", EngineSnapshot, {}, log_interval=0)
+    return ServingContext(config=ServerConfig(("m",), request_timeout=timeout),
+                          engine=_FakeEngine(), tokens=TokenizerService(None, 100),  # type: ignore[arg-type]
+                          limits=LIMITS, defaults={}, max_model_len=64, model_path="m",
+                          metrics=metrics)
+
+
+def _timeouts(ctx, stage: str) -> float:
+    return ctx.metrics.registry.get_sample_value(
+        "specserve:request_timeouts_total", {"model_name": "m", "engine": "0", "stage": stage})
+
+
+@pytest.mark.parametrize("produced,status", [(False, 503), (True, 504)])
+def test_timeout_is_an_error(produced: bool, status: int) -> None:
+    """Past --request-timeout: 503 (+ Retry-After) if no token came yet, else 504; the
+    request is aborted and the timeout counted by stage; never finish_reason "abort"."""
+    from server.errors import APIError
+    from server.serving_common import PreparedPrompt, follow, make_choices
+
+    async def run() -> APIError:
+        ctx = _ctx(0.05)
+        stream = RequestStream(["r-0"])
+        if produced:
+            stream.put(OutputEvent(0, _out("r-0", "ab", False)))
+        choices = make_choices([PreparedPrompt("p", [1])], 1)
+        with pytest.raises(APIError) as info:
+            async for changed in follow(ctx, stream, choices):
+                assert all(c.finish_reason is None for c in changed)
+        assert ctx.engine.aborted == 1
+        stage = "generating" if produced else "waiting"
+        assert _timeouts(ctx, stage) == 1
+        return info.value
+
+    err = asyncio.run(run())
+    assert err.status == status
+    assert ("Retry-After" in err.headers) == (status == 503)
+    assert "timed out" in err.message
+
+
+def test_aborted_request_is_an_error() -> None:
+    from server.errors import ServiceUnavailableError
+    from server.serving_common import PreparedPrompt, follow, make_choices
+
+    async def run() -> None:
+        ctx = _ctx(10)
+        stream = RequestStream(["r-0"])
+        stream.put(OutputEvent(0, _out("r-0", "ab", False)))
+        stream.put(AbortedEvent(0))
+        choices = make_choices([PreparedPrompt("p", [1])], 1)
+        with pytest.raises(ServiceUnavailableError, match="shutting down"):
+            async for _ in follow(ctx, stream, choices):
+                pass
+
+    asyncio.run(run())
+
+
+def test_parse_body_is_strict() -> None:
+    from server.http_utils import parse_body
+
+    for field, value in (("stream", "yes"), ("max_tokens", "10"), ("seed", "42"),
+                         ("n", 2.0), ("ignore_eos", 0), ("stop", 5)):
+        with pytest.raises(BadRequestError) as info:
+            parse_body(CompletionRequest, {"prompt": "x", field: value})
+        assert info.value.param == field
+    req = parse_body(CompletionRequest, {"prompt": "x", "temperature": 1, "top_p": 0.5})
+    assert req.temperature == 1.0
