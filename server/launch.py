@@ -71,10 +71,11 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._partial = False  # bytes of an unfinished request head have arrived
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm_header_timer()
+        self._arm_header_timer(partial=False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
@@ -83,8 +84,9 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            if self._header_timer is None:  # the first bytes of a new request's headers
-                self._arm_header_timer()
+            if self._header_timer is None:  # the first bytes of a new request's head
+                self._arm_header_timer(partial=True)
+            self._partial = True  # (a fresh connection keeps its deadline from connecting)
         else:
             self._cancel_header_timer()
 
@@ -92,8 +94,9 @@ class GuardedH11Protocol(H11Protocol):
         super().on_response_complete()
         self._cancel_header_timer()  # an idle connection is the keep-alive timer's business
 
-    def _arm_header_timer(self) -> None:
+    def _arm_header_timer(self, partial: bool) -> None:
         self._cancel_header_timer()
+        self._partial = partial
         self._header_timer = self.loop.call_later(self.header_timeout, self._header_timed_out)
 
     def _cancel_header_timer(self) -> None:
@@ -104,6 +107,9 @@ class GuardedH11Protocol(H11Protocol):
     def _header_timed_out(self) -> None:
         self._header_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        if not self._partial:  # never sent a byte: just close (nobody waits for an answer)
+            self.transport.close()
             return
         body = json.dumps(error_body(
             f"The request headers were not received within {self.header_timeout:g} seconds",
