@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> None:
         engines[label] = (draft, llm)
     plain = LLM(speculative_config=None, **common)
     tok = plain.get_tokenizer()
+    # the first requests of an engine are several times slower (kernels built and loaded,
+    # first-use allocations): keep them out of the timed runs
+    for _, llm in list(engines.values()) + [(None, plain)]:
+        llm.generate(prompt_sets.chat(tok, ["Say hello."]) * 2,
+                     SamplingParams(max_tokens=16, temperature=0))
     loaders = {
         "gsm8k-test": lambda: prompt_sets.gsm8k_questions("test", args.gsm8k),
         "self-instruct-heldout": held_out,
