@@ -45,6 +45,7 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     load_format: str = "auto"
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -93,6 +94,7 @@ class EngineArgs:
             max_model_len=max_len,
             max_waiting_requests=self.max_waiting_requests,
         )
+        self._check_tensor_parallel(dec)
         return EngineConfig(
             model=model,
             cache=cache,
@@ -100,7 +102,32 @@ class EngineArgs:
             speculative=self._speculative(),
             attention_backend=self.attention_backend,
             device=self.device,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
+
+    def _check_tensor_parallel(self, dec) -> None:
+        n = self.tensor_parallel_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"tensor_parallel_size must be an integer >= 1, got {n!r}",
+                              "tensor_parallel_size")
+        if n == 1:
+            return
+        from models.parallel import tensor_parallel_error
+
+        problem = tensor_parallel_error(dec, n)
+        if problem is not None:
+            raise ConfigError(f"{problem} (model {self.model})", "tensor_parallel_size")
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            first = device.index or 0
+            count = torch.cuda.device_count()
+            if first + n > count:
+                raise ConfigError(
+                    f"tensor_parallel_size {n} needs CUDA devices {first}..{first + n - 1}, but "
+                    f"{count} {'is' if count == 1 else 'are'} visible", "tensor_parallel_size")
+        elif device.type != "cpu":
+            raise ConfigError(f"tensor parallelism runs on cpu or cuda, not {device.type}",
+                              "tensor_parallel_size")
 
     def _speculative(self) -> SpeculativeConfig | None:
         if isinstance(self.speculative_config, str) and self.speculative_config == DEFAULT_SPEC:

@@ -176,6 +176,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     attention_backend: str = "torch"
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # > 1: the target is sharded over ranks (engine.distributed)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:

@@ -54,9 +54,16 @@ class LLMEngine:
         self.device = torch.device(config.device)
         # positions past max_model_len are needed by draft blocks (look-ahead slots)
         max_positions = mc.max_model_len + 128
-        self.model = load_target(
-            mc.path, mc.hf_config, mc.dtype, max_positions, self.device, mc.load_format
-        )
+        self.tp = None  # tensor parallelism: this process is rank 0 of N (engine.distributed)
+        if config.tensor_parallel_size > 1:
+            from engine.distributed import TensorParallelGroup
+
+            self.tp = TensorParallelGroup(config, max_positions)
+            self.model = self.tp.load_target()
+        else:
+            self.model = load_target(
+                mc.path, mc.hf_config, mc.dtype, max_positions, self.device, mc.load_format
+            )
         cfg = self.model.config
         self.target_layers = [f"target.{name}" for name in self.model.layer_names]
         specs = [
@@ -86,13 +93,19 @@ class LLMEngine:
             cc.num_blocks_override,
         )
         self.pool = KVPool(list(groups.values()), plan.num_blocks, cc.layout, self.device)
+        if self.tp is not None:
+            self.tp.setup_workers(layout, self.pool)
         self.blocks = BlockManager(plan.num_blocks, cc.block_size)
         if self.proposer is not None:
             self.proposer.bind(self.pool, backends["draft"] if "draft" in backends else None)
-        self.runner = ModelRunner(
-            self.model, self.pool.layers(self.target_layers), backends["target"], self.device,
-            Sampler(mc.seed), self.proposer,
-        )
+        runner_args = (self.model, self.pool.layers(self.target_layers), backends["target"],
+                       self.device, Sampler(mc.seed), self.proposer)
+        if self.tp is None:
+            self.runner = ModelRunner(*runner_args)
+        else:
+            from engine.distributed import TPModelRunner
+
+            self.runner = TPModelRunner(self.tp, *runner_args)
         controller = None
         if self.proposer is not None:
             group_dtypes = {n: dtype_name(g.dtype) for n, g in groups.items()}
@@ -123,6 +136,8 @@ class LLMEngine:
                 "num_speculative_tokens": self.proposer.num_speculative_tokens,
             },
         }
+        if self.tp is not None:
+            self.startup_info["tensor_parallel_size"] = config.tensor_parallel_size
         log.info("engine ready: %s", self.startup_info)
 
     # -- requests -------------------------------------------------------------------------

@@ -71,15 +71,8 @@ class ModelRunner:
             q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), block_tables=tuple(tables),
             slot_mapping=torch.cat(slots), causal=True, block_size=self.block_size,
         )
-        meta = self.backend.build_metadata(batch, self.device)
         capture = self.proposer.capture_layers if self.proposer is not None else ()
-        hidden, captured = self.model(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device),
-            meta,
-            self.kv_layers,
-            capture,
-        )
+        hidden, captured = self.run_target(ids, torch.cat(positions), batch, capture)
         result = StepResult(sampled={})
         if groups:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
@@ -94,6 +87,20 @@ class ModelRunner:
             result.drafts = self.proposer.propose(items, captured)
         result.elapsed = time.perf_counter() - t0
         return result
+
+    def run_target(
+        self, ids: list[int], positions: torch.Tensor, batch: AttentionBatch,
+        capture: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One target pass (tensor parallelism overrides this to send it to every rank)."""
+        meta = self.backend.build_metadata(batch, self.device)
+        return self.model(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions.to(self.device),
+            meta,
+            self.kv_layers,
+            capture,
+        )
 
     @staticmethod
     def _proposal_item(
