@@ -101,6 +101,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                           '"none"; default: the built-in model\'s shipped draft when present')
     eng.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     eng.add_argument("--seed", type=int, default=d.seed)
+    eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                     help="shard the target over N ranks (worker processes; gloo on CPU, "
+                          "NCCL on CUDA)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,6 +156,7 @@ def serve(args: argparse.Namespace) -> int:
         "speculative_config": args.speculative_config,
         "attention_backend": args.attention_backend, "device": _device(args.device),
         "seed": args.seed, "served_model_name": names[0],
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     try:
         server_config = ServerConfig(
