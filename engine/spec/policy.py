@@ -69,6 +69,8 @@ def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
                         "backend": spec.attention_backend},
         "ladder": [max_rows, max_per_row, max_tokens],
     }
+    if config.tensor_parallel_size > 1:  # sharded steps cost differently (key unchanged at 1)
+        key["tensor_parallel_size"] = config.tensor_parallel_size
     path = measure_cache.cache_path("step-costs", key)
     cached = measure_cache.load(path)
     if cached is not None:
