@@ -85,7 +85,7 @@ def bench_case(args, num_req: int, ctx: int, dtype_name: str) -> dict:
     outs = {name: m.attend(q, k, v, kv, 0.125) for name, m in metas.items()}
     err = float((outs["sdpa"].float() - outs["paged"].float()).abs().max())
     times = {name: [] for name in backends}
-    cpu = {name: [] for name in backends}
+    cpu_t = {name: [] for name in backends}
     build = {name: [] for name in backends}
     for _ in range(args.repeats):
         for name in backends:  # interleaved: old, new, old, new, ...
@@ -93,15 +93,15 @@ def bench_case(args, num_req: int, ctx: int, dtype_name: str) -> dict:
             for _ in range(args.calls):
                 metas[name].attend(q, k, v, kv, 0.125)
             times[name].append((time.perf_counter() - t0) / args.calls)
-            cpu[name].append((time.process_time() - c0) / args.calls)
+            cpu_t[name].append((time.process_time() - c0) / args.calls)
             t0 = time.perf_counter()
             backends[name].build_metadata(batch, cpu)
             build[name].append(time.perf_counter() - t0)
     old, new = statistics.median(times["sdpa"]), statistics.median(times["paged"])
     return {"requests": num_req, "context": ctx, "dtype": dtype_name, "q_len": args.q_len,
             "sdpa_ms": old * 1e3, "paged_ms": new * 1e3, "speedup": old / new,
-            "sdpa_cpu_ms": statistics.median(cpu["sdpa"]) * 1e3,
-            "paged_cpu_ms": statistics.median(cpu["paged"]) * 1e3,
+            "sdpa_cpu_ms": statistics.median(cpu_t["sdpa"]) * 1e3,
+            "paged_cpu_ms": statistics.median(cpu_t["paged"]) * 1e3,
             "build_sdpa_ms": statistics.median(build["sdpa"]) * 1e3,
             "build_paged_ms": statistics.median(build["paged"]) * 1e3, "max_abs_diff": err}
 
