@@ -97,7 +97,7 @@ class TorchBackend:
 @dataclass
 class _Bucket:
     token_index: torch.Tensor  # packed token index per valid padded cell
-    valid: torch.Tensor | None  # [B*max_q] bool, None when no padding
+    valid: torch.Tensor | None  # padded cells holding a real token (indices), None: no padding
     block_tables: torch.Tensor  # [B, nblk]
     mask: torch.Tensor | None  # [B, 1, max_q, S] bool or None (all visible)
     batch: int
@@ -141,7 +141,10 @@ def _make_bucket(
     if uniform:
         valid = None
     else:
-        valid = (q_pos[None, :] < torch.tensor(q_lens)[:, None]).reshape(-1).to(device)
+        # indices, computed on the host once per step: layers index with them and never build
+        # a boolean mask (a device sync on CUDA)
+        cells = (q_pos[None, :] < torch.tensor(q_lens)[:, None]).reshape(-1)
+        valid = torch.nonzero(cells).flatten().to(device)
     return _Bucket(
         token_index=token_index.to(device), valid=valid,
         block_tables=tables.to(device), mask=mask, batch=len(reqs), max_q=max_q,
@@ -168,11 +171,11 @@ class TorchMetadata:
             qb = q.index_select(0, b.token_index)
             if b.valid is not None:
                 padded = q.new_zeros((b.batch * b.max_q, num_heads, head_dim))
-                padded[b.valid] = qb
+                padded.index_copy_(0, b.valid, qb)
                 qb = padded
             ob = _attend_bucket(qb, kv, b, scale)
             if b.valid is not None:
-                ob = ob[b.valid]
+                ob = ob.index_select(0, b.valid)
             out.index_copy_(0, b.token_index, ob)
         return out
 
