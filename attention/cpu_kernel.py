@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ def load(verbose: bool = False):
             from torch.utils.cpp_extension import load as load_ext
 
             _BUILD.mkdir(parents=True, exist_ok=True)
+            _clear_stale_lock()
             _module = load_ext(
                 name="specserve_paged_attention",
                 sources=[str(_SRC)],
@@ -49,6 +51,18 @@ def load(verbose: bool = False):
             _error = f"{type(exc).__name__}: {exc}"
             log.warning("CPU paged-attention kernel unavailable, using SDPA: %s", _error)
     return _module
+
+
+def _clear_stale_lock(max_age_s: float = 600.0) -> None:
+    """torch's extension builder waits forever on ``build/lock``; a build killed midway (Ctrl-C
+    on first start) leaves it behind. A build takes about a minute, so an old lock is stale."""
+    lock = _BUILD / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            log.warning("removing stale kernel build lock %s", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def available() -> bool:

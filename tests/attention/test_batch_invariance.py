@@ -201,3 +201,20 @@ def test_kernel_rejects_bad_lengths():
     with pytest.raises(RuntimeError, match="block table"):
         cpu_kernel.paged_attention(q, kv.logical, tables, torch.tensor([0, 3]),
                                    torch.tensor([12]), True, 1.0)
+
+
+def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "_BUILD", tmp_path)
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_kernel._clear_stale_lock()
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    cpu_kernel._clear_stale_lock()
+    assert not lock.exists()
