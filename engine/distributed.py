@@ -151,7 +151,8 @@ def _describe_exit(code: int | None) -> str:
 
 
 def _stop_workers(procs: list, comm_holder: list, threads_before: int | None) -> None:
-    """Ask the workers to leave while the groups work; kill them once the groups failed."""
+    """Ask the workers to leave while they serve steps; kill them when the groups failed or
+    the engine never finished starting (they are not listening then)."""
     comm = comm_holder[0] if comm_holder else None
     if comm is not None and all(p.exitcode is None for p in procs):
         try:
@@ -195,7 +196,8 @@ class TensorParallelGroup:
         ctx = mp.get_context("spawn")
         self.procs = []
         self._comm: list[Comm] = []
-        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self._comm,
+        self._serving: list[Comm] = []  # set once the workers run their step loop
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self._serving,
                                            threads_before)
         for rank in range(1, self.size):
             args = WorkerArgs(rank, self.size, self.store.port, config, max_positions, threads,
@@ -247,6 +249,7 @@ class TensorParallelGroup:
                                      f"{name!r} as {spec} but rank 0 as "
                                      f"{mine['groups'].get(name)}")
         self.reports = reports
+        self._serving.append(self.comm)
         log.info("tensor parallel: all %d ranks resolved layout %s, %d blocks, target KV %s",
                  self.size, layout, pool.num_blocks, mine["groups"]["target"])
 
@@ -303,6 +306,7 @@ class TensorParallelGroup:
         self.failed = message
         log.error("%s", message)
         self._comm.clear()  # the groups are unusable now: no goodbye broadcast
+        self._serving.clear()
         self.shutdown()
         return TensorParallelError(message)
 

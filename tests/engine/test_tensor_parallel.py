@@ -141,6 +141,21 @@ def test_shard_slices_cover_the_checkpoint():
         decoder_config({**_hf(cfg), "num_key_value_heads": 4, "num_attention_heads": 12}), 3)
 
 
+def test_engine_startup_failure_stops_the_workers(models, restore_threads):
+    import gc
+    import multiprocessing
+
+    from engine.kv_pool import KVBudgetError
+
+    with pytest.raises(KVBudgetError):  # rank 0 fails after the workers started
+        make_llm(models["llama-kv2"], tensor_parallel_size=2, kv_cache_memory="4KiB")
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()
+
+
 def _hf(cfg) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -192,5 +207,31 @@ def test_hung_worker_times_out(models, restore_threads, monkeypatch):
         assert time.monotonic() - t0 < 20
         _wait_dead(worker)
         assert worker.exitcode is not None  # stopped workers are killed, not left behind
+    finally:
+        _close(llm)
+
+
+@pytest.mark.slow
+def test_real_smollm2_tp3_with_dflash_equals_tp1(restore_threads):
+    """SmolLM2-135M (9 query, 3 KV heads: TP=3), float32, its shipped DFlash draft verifying
+    a fixed K on rank 0: greedy tokens equal one rank without speculation."""
+    from engine.args import default_draft_for
+    from models.resolve import DEFAULT_MODEL, resolve_model_path
+
+    try:
+        resolve_model_path(DEFAULT_MODEL)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"real model unavailable: {exc}")
+    draft = default_draft_for(DEFAULT_MODEL)
+    if draft is None:
+        pytest.skip("the shipped draft is not present")
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    args = {"max_model_len": 128, "kv_cache_memory": "32MiB"}
+    want = token_ids(make_llm(DEFAULT_MODEL, None, **args).generate(prompts, _params(16)))
+    llm = make_llm(DEFAULT_MODEL, {"method": "dflash", "model": str(draft)},
+                   tensor_parallel_size=3, **args)
+    try:
+        assert token_ids(llm.generate(prompts, _params(16))) == want
+        assert llm.get_spec_decoding_stats().num_drafts > 0
     finally:
         _close(llm)
