@@ -106,16 +106,18 @@ def shard_slice(
 
 
 def iter_shard_weights(
-    path: Path | str, cfg: DecoderConfig, rank: int, size: int
+    path: Path | str, cfg: DecoderConfig, rank: int, size: int, skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` with only ``rank``'s slice of every sharded tensor read from
-    disk (safetensors slices)."""
+    disk (safetensors slices); tensors named in ``skip`` are not read."""
     from safetensors import SafetensorError, safe_open
 
     for file in weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    if name in skip:
+                        continue
                     rule = shard_slice(name, cfg, rank, size)
                     if rule is None:
                         yield name, handle.get_tensor(name)
@@ -158,10 +160,11 @@ def build_target_shard(
 
 def load_target_shard(
     path: Path, hf: dict[str, Any], dtype: torch.dtype, max_positions: int, device: torch.device,
-    load_format: str, rank: int, size: int, all_reduce: AllReduce,
+    load_format: str, rank: int, size: int, all_reduce: AllReduce, with_lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """Rank ``rank``'s shard of the target, its weights read slice by slice (``dummy``: random
-    weights, identical on every rank for the replicated tensors)."""
+    weights, identical on every rank for the replicated tensors). ``with_lm_head=False`` (the
+    workers, which never compute logits) drops an untied LM head."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"Unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     cfg = decoder_config(hf)
@@ -169,6 +172,10 @@ def load_target_shard(
     if problem is not None:
         raise ModelConfigError(problem)
     model = build_target_shard(cfg, rank, size, dtype, max_positions, device, all_reduce)
+    skip: frozenset[str] = frozenset()
+    if not with_lm_head and model.lm_head is not None:
+        model.lm_head = None  # lm_head_weight now names the embedding: never used here
+        skip = frozenset({"lm_head.weight"})
     if load_format == "dummy":
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -180,5 +187,5 @@ def load_target_shard(
                     g.manual_seed(zlib.crc32(name.encode()))
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         return model
-    model.load_weights(iter_shard_weights(path, cfg, rank, size))
+    model.load_weights(iter_shard_weights(path, cfg, rank, size, skip))
     return model
