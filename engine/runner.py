@@ -14,11 +14,16 @@ from engine.spec.base import ProposalItem, Proposer
 from models.llama import LlamaForCausalLM
 
 
+def slot_list(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slot of each position in ``[start, end)``: ``table[p // bs] * bs + p % bs``.
+
+    Plain Python: a step builds one tensor from all requests' slots instead of a few small
+    tensor ops per request."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def slots_for(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    """Slot of each position in ``[start, end)``: ``table[p // bs] * bs + p % bs``."""
-    pos = torch.arange(start, end)
-    blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
-    return blocks * block_size + pos % block_size
+    return torch.tensor(slot_list(table, start, end, block_size), dtype=torch.long)
 
 
 class ModelRunner:
@@ -45,8 +50,8 @@ class ModelRunner:
         draft next were decided by the scheduler."""
         t0 = time.perf_counter()
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         q_lens, kv_lens, tables = [], [], []
         groups: list[RowGroup] = []
         logit_rows: list[int] = []
@@ -57,8 +62,8 @@ class ModelRunner:
             known = n - len(item.spec_token_ids)
             row_of[req.request_id] = len(ids)
             ids.extend(req.tokens(start, start + known) + item.spec_token_ids)
-            positions.append(torch.arange(start, start + n))
-            slots.append(slots_for(req.block_table, start, start + n, self.block_size))
+            positions.extend(range(start, start + n))
+            slots.extend(slot_list(req.block_table, start, start + n, self.block_size))
             q_lens.append(n)
             kv_lens.append(start + n)
             tables.append(tuple(req.block_table))
@@ -69,10 +74,12 @@ class ModelRunner:
 
         batch = AttentionBatch(
             q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), block_tables=tuple(tables),
-            slot_mapping=torch.cat(slots), causal=True, block_size=self.block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.long), causal=True,
+            block_size=self.block_size,
         )
         capture = self.proposer.capture_layers if self.proposer is not None else ()
-        hidden, captured = self.run_target(ids, torch.cat(positions), batch, capture)
+        hidden, captured = self.run_target(ids, torch.tensor(positions, dtype=torch.long), batch,
+                                           capture)
         result = StepResult(sampled={})
         if groups:
             rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
