@@ -191,6 +191,10 @@ class TensorParallelGroup:
             threads_before = torch.get_num_threads()
             threads = cpu_threads_per_rank(self.size)
             torch.set_num_threads(threads)
+            if self.size > threads_before:
+                log.warning("tensor_parallel_size %d exceeds the %d torch threads (cores) of "
+                            "this process: ranks share cores, every all-reduce waits for "
+                            "descheduled peers", self.size, threads_before)
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True,
                                    timedelta(seconds=STARTUP_TIMEOUT), wait_for_workers=False)
         ctx = mp.get_context("spawn")
