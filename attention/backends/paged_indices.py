@@ -46,14 +46,3 @@ def build_paged_indices(batch: AttentionBatch) -> PagedIndices:
     as32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     return PagedIndices(as32(qo), as32(kvp), as32(pages), as32(last), bs)
 
-
-def decode_slots(indices: PagedIndices, request: int, positions: torch.Tensor) -> torch.Tensor:
-    """Slot of each position of ``request`` according to the index arrays (-1 past its end)."""
-    bs = indices.page_size
-    start, end = int(indices.kv_indptr[request]), int(indices.kv_indptr[request + 1])
-    kv_len = (end - start - 1) * bs + int(indices.kv_last_page_len[request])
-    pages = indices.kv_indices[start:end].long()
-    page = positions // bs
-    valid = positions < kv_len
-    slots = pages[page.clamp(max=end - start - 1)] * bs + positions % bs
-    return torch.where(valid, slots, torch.full_like(slots, -1))

@@ -49,7 +49,7 @@ class Decision:
 class SpecController:
     def __init__(self, k_max: int, acceptance: AcceptanceModel, cost: StepCostModel | None,
                  stats: SpecDecodingStats, *, adaptive: bool = True,
-                 max_batch: int | None = None, probe_interval: int = 8,
+                 max_batch: int | None = None, min_gain: float = 1.05, probe_interval: int = 8,
                  max_probe_interval: int = 256) -> None:
         if adaptive and cost is None:
             raise ValueError("the adaptive controller needs a step cost model")
@@ -59,6 +59,10 @@ class SpecController:
         self.stats = stats
         self.adaptive = adaptive
         self.max_batch = max_batch  # no drafts while more requests than this sample
+        # drafting must promise at least this factor over a plain step: the measured costs
+        # and acceptance estimates are only so accurate, and a wrong "yes" costs more than a
+        # wrong "no" (the draft's context is kept either way)
+        self.min_gain = min_gain
         self.first_probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.probe_interval = probe_interval
@@ -138,7 +142,10 @@ class SpecController:
             _, where = np.unique(who, return_index=True)
             first[where + 1] = 1.0  # the extra token that makes a request draft at all
             times = times + cost.draft_times(np.cumsum(first))
-        best = int(np.argmax(expected / times))  # the first best: fewer drafts on a tie
+        rates = expected / times
+        best = int(np.argmax(rates))  # the first best: fewer drafts on a tie
+        if rates[best] < self.min_gain * rates[0]:
+            best = 0  # within the cost model's error of a plain step: do not speculate
         return np.bincount(who[:best], minlength=rows).tolist()
 
     # -- feedback ------------------------------------------------------------------------------

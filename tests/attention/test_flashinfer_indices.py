@@ -9,8 +9,21 @@ import torch
 
 from attention.backends import BackendUnavailableError, get_backend
 from attention.backends.base import AttentionBatch
-from attention.backends.paged_indices import build_paged_indices, decode_slots
+from attention.backends.paged_indices import PagedIndices, build_paged_indices
 from engine.runner import slots_for
+
+
+def decode_slots(indices: PagedIndices, request: int, positions: torch.Tensor) -> torch.Tensor:
+    """Test oracle: the slot of each position of ``request`` according to the index arrays
+    (-1 past its end)."""
+    bs = indices.page_size
+    start, end = int(indices.kv_indptr[request]), int(indices.kv_indptr[request + 1])
+    kv_len = (end - start - 1) * bs + int(indices.kv_last_page_len[request])
+    pages = indices.kv_indices[start:end].long()
+    page = positions // bs
+    valid = positions < kv_len
+    slots = pages[page.clamp(max=end - start - 1)] * bs + positions % bs
+    return torch.where(valid, slots, torch.full_like(slots, -1))
 
 
 def _random_batch(rng: random.Random, block_size: int, draft: bool) -> tuple[AttentionBatch, list]:

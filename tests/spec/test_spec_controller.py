@@ -209,3 +209,9 @@ def test_config_keys_of_the_policy():
     with pytest.raises(ConfigError, match="replaced by the adaptive controller") as err:
         SpeculativeConfig.parse({"method": "ngram", "min_acceptance_length": 1.5})
     assert err.value.param == "speculative_config.min_acceptance_length"
+
+
+def test_a_gain_within_the_models_error_is_not_taken():
+    # free verification, no draft cost, 3% acceptance: +3% expected, under the 5% margin
+    assert all(d.k == 0 for d in controller(0.03, 0.0, 0.0).plan(decode(2)))
+    assert all(d.k > 0 for d in controller(0.03, 0.0, 0.0, min_gain=1.0).plan(decode(2)))
