@@ -216,8 +216,9 @@ def measure_step_costs(
                 j = len(line)
                 slope = (line[-1] - line[-2]) / (per_row[j - 1] - per_row[j - 2])
                 line.append(line[-1] + max(0.0, slope) * (per_row[j] - per_row[j - 1]))
-            # more query tokens never cost less: timing noise must not say otherwise
-            table.append(np.maximum.accumulate(line).tolist())
+            # more query tokens never cost less; timing noise only ever adds time, so where a
+            # smaller block measured slower than a larger one, the smaller one was the noisy one
+            table.append(np.minimum.accumulate(line[::-1])[::-1].tolist())
             draft.append(max(0.0, times[-1] - line[0]) if with_draft else 0.0)
         return StepCostModel(rows_ladder, per_row, table, draft)
     finally:
