@@ -28,7 +28,12 @@ from server.errors import (
     error_body,
     install_error_handlers,
 )
-from server.http_utils import APIKeyMiddleware, parse_body, read_json
+from server.http_utils import (
+    APIKeyMiddleware,
+    ConcurrencyLimitMiddleware,
+    parse_body,
+    read_json,
+)
 from server.metrics import ServingMetrics
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.sampling import Limits
@@ -147,6 +152,8 @@ def build_app(config: ServerConfig, engine_config: EngineConfig,
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan)
     app.state.specserve = state
     install_error_handlers(app)
+    if config.limit_concurrency is not None:  # inside auth: a 401 never takes a slot
+        app.add_middleware(ConcurrencyLimitMiddleware, limit=config.limit_concurrency)
     if config.api_keys:
         open_paths = ("/health", "/ping") + (("/metrics",) if config.metrics_without_auth else ())
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys, open_paths=open_paths)

@@ -73,7 +73,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     net.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE,
                      help="seconds an idle keep-alive connection stays open")
     net.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY,
-                     help="connections plus in-flight requests; past it new requests get 503")
+                     help="in-flight requests (a stream until it ends); past it new requests "
+                          "get a JSON 503 with Retry-After (/health, /ping, /metrics exempt)")
     net.add_argument("--shutdown-timeout", type=float, default=0.0,
                      help="seconds in-flight requests may finish after SIGTERM")
     net.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info")

@@ -8,7 +8,7 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a request may take to send its body
 DEFAULT_KEEP_ALIVE = 5.0  # seconds an idle keep-alive connection is kept
-DEFAULT_LIMIT_CONCURRENCY = 512  # connections + in-flight requests before uvicorn's 503
+DEFAULT_LIMIT_CONCURRENCY = 512  # in-flight requests before a 503 (/health, /metrics exempt)
 
 
 class ServerConfigError(ValueError):

@@ -242,3 +242,46 @@ class APIKeyMiddleware:
                        401),
             status_code=401, headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class ConcurrencyLimitMiddleware:
+    """At most ``limit`` HTTP requests in flight; past it a 503 in the OpenAI error shape
+    with ``Retry-After`` (``--limit-concurrency``).
+
+    A request is in flight from its first byte reaching the app until the app has sent the
+    whole response, so a stream counts until its last event (or its client's disconnect).
+    Idle keep-alive connections and connections still sending headers do not count (those are
+    bounded by ``--timeout-keep-alive`` and ``--http-header-timeout``), unlike uvicorn's own
+    ``limit_concurrency``, which counts connections and answers in plain text.
+
+    ``/health``, ``/ping`` and ``/metrics`` are exempt: they are cheap, and an overloaded
+    server must still tell its load balancer it is alive (a 503 there would pull a busy but
+    healthy replica out of rotation, vLLM's health check behaves the same) and show Prometheus
+    why it is busy.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int,
+                 exempt_paths: Sequence[str] = ("/health", "/ping", "/metrics"),
+                 retry_after: int = 1) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+        self._exempt = frozenset(exempt_paths)
+        self._retry_after = retry_after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path", "") in self._exempt:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            message = (f"The server is at its limit of {self.limit} concurrent requests "
+                       "(--limit-concurrency); retry later")
+            response = JSONResponse(error_body(message, 503), status_code=503,
+                                    headers={"Retry-After": str(self._retry_after)})
+            await response(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1

@@ -8,8 +8,10 @@ the rest are aborted with a final error event (503); then uvicorn closes sockets
 Slow clients: uvicorn bounds idle keep-alive connections but not a request whose headers
 trickle in, so ``GuardedH11Protocol`` closes a connection (after a 408) whose request headers
 are not complete ``header_timeout`` seconds after its first byte (or after the connection
-opened). Bodies are bounded by ``read_json``'s timeout; ``limit_concurrency`` caps
-connections plus in-flight requests (uvicorn answers 503 past it).
+opened). Bodies are bounded by ``read_json``'s timeout. ``--limit-concurrency`` is enforced by
+``ConcurrencyLimitMiddleware`` (JSON 503s, in-flight requests only), not by uvicorn's
+``limit_concurrency``: that one counts idle connections too, answers in plain text, and
+refuses requests rather than connections, so it bounds nothing the timeouts do not.
 """
 
 from __future__ import annotations
@@ -129,5 +131,5 @@ def make_server(app: FastAPI, host: str, port: int, log_level: str = "info",
                     {"header_timeout": cfg.header_timeout})
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             http=protocol, timeout_keep_alive=cfg.timeout_keep_alive,
-                            limit_concurrency=cfg.limit_concurrency, access_log=access_log)
+                            access_log=access_log)
     return SpecServer(config, state)
