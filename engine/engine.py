@@ -219,6 +219,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_health(self) -> None:
+        """Raise if the engine can no longer step: a tensor-parallel worker died or the group
+        failed (``TensorParallelError``). Cheap; the server calls it while idle."""
+        if self.tp is not None:
+            self.tp.check_alive()
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()

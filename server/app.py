@@ -104,7 +104,8 @@ class ServerState:
         if self.draining:
             raise ServiceUnavailableError("The server is shutting down", retry_after=None)
         if self.engine.state == "dead":
-            raise EngineDeadError(f"The engine is dead: {self.engine.error}")
+            raise EngineDeadError(f"The engine is dead: {self.engine.error}",
+                                  status=self.engine.error_status)
         if self.ctx is None:
             raise ServiceUnavailableError("The server is still loading the model", 5)
         return self.ctx

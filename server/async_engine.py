@@ -5,7 +5,10 @@
 * Outputs go to a per-HTTP-request ``RequestStream`` (one asyncio queue for all of that
   request's engine requests) with one ``loop.call_soon_threadsafe`` per step.
 * A failing ``step()`` kills the engine: every in-flight stream gets a ``FailedEvent`` and new
-  requests are refused. A failure tied to one request only fails that request.
+  requests are refused. A failure tied to one request only fails that request. A lost
+  tensor-parallel worker (``TensorParallelError``, also noticed while idle through
+  ``engine.check_health()``) is answered 503 rather than 500: the request was fine, the
+  server lost one of its processes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.distributed import TensorParallelError
 from engine.engine import QueueFullError, RequestValidationError
 from engine.outputs import RequestOutput
 from server.engine_types import (
@@ -72,6 +76,7 @@ class AsyncEngine:
         self._streams: set[RequestStream] = set()  # event loop only
         self.state = "created"  # created -> starting -> ready -> stopped | dead
         self.error: str | None = None
+        self.error_status = 500  # HTTP status of requests refused or failed by a dead engine
         self.snapshot = EngineSnapshot()
 
     # -- lifecycle (event loop) ------------------------------------------------------------
@@ -156,7 +161,8 @@ class AsyncEngine:
     def _submit(self, command: _Command) -> None:
         with self._lock:
             if self.state == "dead":
-                raise EngineDeadError(f"The engine is dead: {self.error}")
+                raise EngineDeadError(f"The engine is dead: {self.error}",
+                                      status=self.error_status)
             if self._stopping or self.state not in ("starting", "ready"):
                 raise ServiceUnavailableError("The engine is shutting down", retry_after=None)
             self._commands.append(command)
@@ -191,7 +197,8 @@ class AsyncEngine:
             self._serve(engine)
         except BaseException as exc:
             log.exception("the engine loop failed")
-            self._die(f"{type(exc).__name__}: {exc}")
+            self._die(f"{type(exc).__name__}: {exc}",
+                      503 if isinstance(exc, TensorParallelError) else 500)
             return
         self._abort_routes(engine, list(self._routes), notify=True)
         with self._lock:
@@ -217,6 +224,8 @@ class AsyncEngine:
             if stopping:
                 return
             busy = engine.has_unfinished_requests()
+            if not busy:
+                engine.check_health()  # a worker lost while idle: die now, not at the next request
             if busy:
                 outputs = engine.step()  # an exception here kills the engine (see _run)
                 self._publish(outputs)
@@ -274,13 +283,15 @@ class AsyncEngine:
         except Exception:
             log.exception("engine observer %s failed", method)
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, status: int = 500) -> None:
         with self._lock:
             self.state = "dead"
             self.error = message
+            self.error_status = status
             pending = list(self._commands)
             self._commands.clear()
-        error = EngineDeadError(f"The engine failed and cannot serve requests: {message}")
+        error = EngineDeadError(f"The engine failed and cannot serve requests: {message}",
+                                status=status)
         streams = {stream for stream, _ in self._routes.values()}
         self._routes.clear()
         self._deliver([(s, FailedEvent(error)) for s in streams])

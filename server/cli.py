@@ -179,6 +179,7 @@ def serve(args: argparse.Namespace) -> int:
              "set" if keys else "none", args.request_timeout, args.shutdown_timeout)
 
     def on_engine_dead(message: str) -> None:
+        log.error("the engine died, the server exits with status 1: %s", message)
         server.request_exit(1)
 
     app = build_app(server_config, engine_config, lambda: LLMEngine(engine_config),

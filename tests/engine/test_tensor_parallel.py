@@ -235,3 +235,28 @@ def test_real_smollm2_tp3_with_dflash_equals_tp1(restore_threads):
         assert llm.get_spec_decoding_stats().num_drafts > 0
     finally:
         _close(llm)
+
+
+def test_killed_worker_fails_llm_generate_in_bounded_time(models, restore_threads):
+    """The offline API: ``LLM.generate`` blocked in a step whose peer is killed raises
+    ``TensorParallelError`` naming the rank and the signal, and keeps raising it."""
+    import threading
+
+    llm = make_llm(models["llama-kv2"], tensor_parallel_size=2)
+    try:
+        worker = llm.engine.tp.procs[0]
+        os.kill(worker.pid, signal.SIGSTOP)  # the first step blocks in its all-reduce
+        killer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError,
+                           match=r"worker rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\)"):
+            llm.generate(PROMPTS[:2], _params(8))
+        assert time.monotonic() - t0 < 30
+        killer.join()
+        with pytest.raises(TensorParallelError, match="SIGKILL"):
+            llm.generate(PROMPTS[:1], _params(2))
+        _wait_dead(worker)
+        assert worker.exitcode is not None
+    finally:
+        _close(llm)
