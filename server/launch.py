@@ -8,7 +8,7 @@ the rest are aborted with a final error event (503); then uvicorn closes sockets
 Slow clients: uvicorn bounds idle keep-alive connections but not a request whose headers
 trickle in, so ``GuardedH11Protocol`` closes a connection (after a 408) whose request headers
 are not complete ``header_timeout`` seconds after its first byte (or after the connection
-opened). Bodies are bounded by ``read_json``'s timeout. ``--limit-concurrency`` is enforced by
+opened), and answers requests h11 cannot parse with a JSON 400 instead of uvicorn's plain text. Bodies are bounded by ``read_json``'s timeout. ``--limit-concurrency`` is enforced by
 ``ConcurrencyLimitMiddleware`` (JSON 503s, in-flight requests only), not by uvicorn's
 ``limit_concurrency``: that one counts idle connections too, answers in plain text, and
 refuses requests rather than connections, so it bounds nothing the timeouts do not.
@@ -95,6 +95,17 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._cancel_header_timer()  # an idle connection is the keep-alive timer's business
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (bad request line, header or framing): uvicorn answers
+        400 in plain text; answer it in the OpenAI error shape like every other refusal."""
+        body = json.dumps(error_body(f"Invalid HTTP request: {msg}", 400)).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _arm_header_timer(self, partial: bool) -> None:
         self._cancel_header_timer()

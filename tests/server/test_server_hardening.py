@@ -231,6 +231,23 @@ def test_slow_body_is_cut_off(srv: RunningServer) -> None:
         assert elapsed < BODY_TIMEOUT + 2
 
 
+@pytest.mark.parametrize("raw", [
+    b"HELLO\r\n\r\n",
+    b"GET /v1/mod\xc3\xa9ls HTTP/1.1\r\nHost: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+], ids=["request-line", "non-ascii-target", "header-name", "content-length", "chunk-size"])
+def test_unparsable_http_gets_a_json_400(srv: RunningServer, raw: bytes) -> None:
+    with _connect(srv) as sock:  # uvicorn's own answer was text/plain
+        sock.sendall(raw)
+        data, _ = _read_until_closed(sock, 10)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), data
+    assert b"content-type: application/json" in head.lower(), head
+    assert json.loads(body)["error"]["code"] == 400
+
+
 def test_keep_alive_survives_a_slow_client_elsewhere(srv: RunningServer) -> None:
     with httpx.Client(base_url=srv.base_url, headers=AUTH, timeout=30) as http:
         assert http.get("/v1/models").status_code == 200
