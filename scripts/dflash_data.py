@@ -1,10 +1,13 @@
 """Build the DFlash draft's training data: the target's own greedy answers, then tapped features.
 
 Step 1 (``generate``): prompts from GSM8K train and self-instruct (minus the held-out slice
-used for evaluation; never GSM8K test) are answered by the target itself with this engine
-(greedy, chat template). Sequences go to ``sequences.jsonl`` (resumable: a prompt already
-answered there, matched by source and text, is skipped, so ``--num-gsm8k`` can grow between
-runs).
+used for evaluation; never GSM8K test), plus the target's self-written user turns when
+``scripts/self_synth.py`` has put them in the same folder (``selfgen_prompts.jsonl``, and
+two-turn conversations in ``selfgen_turn2_prompts.jsonl``), are answered by the target itself
+with this engine (greedy, chat template). Sequences go to ``sequences.jsonl`` (resumable: a
+prompt already answered there, matched by source, text and earlier turns, is skipped, so
+``--num-gsm8k`` can grow between runs). ``--interleave`` answers the sources round-robin, so a
+run stopped early (``--deadline``) still holds a mix.
 
 Step 2 (``features``): one prefill pass per sequence captures the outputs of the candidate
 target layers, stored as float16 shards (``features-XXXX.pt``) so training epochs never rerun
@@ -43,14 +46,52 @@ def default_out() -> Path:
     return base / "specserve" / "dflash-data"
 
 
-def training_prompts(num_gsm8k: int, data_dir: Path = prompt_sets.DATA_DIR) -> list[dict]:
+# files written by scripts/self_synth.py into the data folder, read as extra prompt sources
+SELFGEN_FILES = {"selfgen": "selfgen_prompts.jsonl", "selfgen_turn2": "selfgen_turn2_prompts.jsonl"}
+SOURCES = ["gsm8k_train", "self_instruct", *SELFGEN_FILES]
+
+
+def training_prompts(num_gsm8k: int, data_dir: Path = prompt_sets.DATA_DIR,
+                     out: Path | None = None) -> list[dict]:
+    """Training prompts (``num_gsm8k`` 0: all of GSM8K train); with ``out``, also the
+    self-generated ones found there (rows with ``history``: earlier turns, user first)."""
     rows = [{"source": "gsm8k_train", "prompt": q}
             for q in prompt_sets.gsm8k_questions("train", num_gsm8k, data_dir)]
     seed = prompt_sets.read_jsonl(data_dir / "self_instruct_seed_tasks.jsonl")
     user = prompt_sets.read_jsonl(data_dir / "self_instruct_user_oriented.jsonl")
     for row in seed + user[:-HELD_OUT]:
         rows += [{"source": "self_instruct", "prompt": p} for p in prompt_sets._self_instruct_rows(row)]
+    for source, name in SELFGEN_FILES.items():
+        if out is not None and (out / name).exists():
+            for r in prompt_sets.read_jsonl(out / name):
+                row = {"source": source, "prompt": r["prompt"]}
+                if r.get("history"):
+                    row["history"] = r["history"]
+                rows.append(row)
     return rows
+
+
+def row_key(row: dict) -> tuple:
+    return row["source"], row["prompt"], tuple(row.get("history") or ())
+
+
+def messages(row: dict) -> list[dict]:
+    turns = [*(row.get("history") or ()), row["prompt"]]
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+            for i, t in enumerate(turns)]
+
+
+def interleave(rows: list[dict]) -> list[dict]:
+    """Round-robin over sources, each source keeping its own order."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["source"], []).append(r)
+    out, queues = [], [list(reversed(q)) for q in by.values()]
+    while queues:
+        for q in queues:
+            out.append(q.pop())
+        queues = [q for q in queues if q]
+    return out
 
 
 def held_out_prompts(data_dir: Path = prompt_sets.DATA_DIR) -> list[str]:
@@ -61,21 +102,25 @@ def held_out_prompts(data_dir: Path = prompt_sets.DATA_DIR) -> list[str]:
     return out
 
 
-def generate(args) -> None:
+def generate(args, llm: LLM | None = None) -> None:
     """Answer every training prompt with the target, keeping ``--batch`` requests in flight
     (continuous batching); each finished sequence is appended at once, so a run can stop and
-    resume anywhere."""
+    resume anywhere (``--deadline``: stop taking new prompts at that Unix time; answers still
+    in flight are dropped and redone next run)."""
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "sequences.jsonl"
-    done: set[tuple[str, str]] = set()
+    done: set[tuple] = set()
     if path.exists():
-        done = {(row["source"], row["prompt"]) for row in map(json.loads, path.open())}
-    rows = training_prompts(args.num_gsm8k)
-    todo = [r for r in rows if (r["source"], r["prompt"]) not in done
+        done = {row_key(row) for row in map(json.loads, path.open())}
+    rows = training_prompts(args.num_gsm8k, out=args.out)
+    todo = [r for r in rows if row_key(r) not in done
             and (not args.sources or r["source"] in args.sources)]
+    if args.interleave:
+        todo = interleave(todo)
     print(f"{len(rows)} prompts, {len(done)} done, {len(todo)} to generate", flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
-              max_model_len=args.max_model_len, max_num_seqs=args.batch)
+    if llm is None:
+        llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
+                  max_model_len=args.max_model_len, max_num_seqs=args.batch)
     engine, tok = llm.engine, llm.get_tokenizer()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     pending = list(reversed(todo))
@@ -83,9 +128,15 @@ def generate(args) -> None:
     start, tokens, finished = time.perf_counter(), 0, 0
     with path.open("a") as f:
         while pending or live:
+            if args.deadline and time.time() > args.deadline:
+                for rid in live:
+                    engine.abort_request(rid)
+                print(f"deadline: stopped with {len(live)} answers in flight", flush=True)
+                break
             while pending and len(live) < args.batch:
                 row = pending.pop()
-                ids = tok.encode(prompt_sets.chat(tok, [row["prompt"]])[0])
+                ids = tok.encode(tok.apply_chat_template(messages(row), tokenize=False,
+                                                         add_generation_prompt=True))
                 if len(ids) + args.max_tokens > args.max_model_len:
                     continue
                 rid = engine.new_request_id()
@@ -105,6 +156,9 @@ def generate(args) -> None:
                     rate = tokens / (time.perf_counter() - start)
                     print(f"{len(done) + finished}/{len(rows)} sequences, {rate:.0f} tok/s",
                           flush=True)
+    seconds = time.perf_counter() - start
+    print(f"generated {finished} sequences, {tokens} response tokens in {seconds:.0f} s "
+          f"({tokens / max(seconds, 1e-9):.1f} tok/s)", flush=True)
 
 
 @torch.inference_mode()
@@ -159,7 +213,7 @@ def capture(engine, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tens
     return captured.float().cpu()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, llm: LLM | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("step", choices=["generate", "features"])
     p.add_argument("--out", type=Path, default=default_out())
@@ -169,13 +223,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--sources", nargs="+", choices=["gsm8k_train", "self_instruct"], default=None,
+    p.add_argument("--sources", nargs="+", choices=SOURCES, default=None,
                    help="generate only prompts from these sources (default: all)")
+    p.add_argument("--interleave", action="store_true",
+                   help="answer the sources round-robin instead of one after another")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="Unix time after which no new prompt is started")
+    p.add_argument("--time-limit", type=float, default=None, help="seconds (sets --deadline)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 8, 14, 20, 27])
     p.add_argument("--shard-size", type=int, default=256)
     args = p.parse_args(argv)
+    if args.time_limit and not args.deadline:
+        args.deadline = time.time() + args.time_limit
     torch.manual_seed(0)
-    generate(args) if args.step == "generate" else features(args)
+    generate(args, llm) if args.step == "generate" else features(args)
 
 
 if __name__ == "__main__":
