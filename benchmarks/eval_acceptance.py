@@ -1,11 +1,16 @@
 """Evaluate DFlash / DFlash2 drafts: acceptance and wall-clock speed with and without
 speculation. Several ``--draft`` folders are measured side by side on the same sets.
 
-On the first N GSM8K test questions and on the held-out self-instruct slice (never used in
-training), greedy: mean acceptance length, acceptance per position, and output tokens/s for a
-single stream and for C concurrent requests, with and without the draft, in one run.
+On fixed sets never used in training, greedy: mean acceptance length, acceptance per
+position, and output tokens/s for a single stream and for C concurrent requests, with and
+without the draft, in one run. Sets (``--sets``): ``gsm8k-test`` (first N GSM8K test
+questions), ``self-instruct-heldout`` (the last 50 user-oriented self-instruct tasks),
+``selfgen-heldout`` (200 self-generated chat prompts, ``benchmarks/data/selfgen_heldout.jsonl``,
+see ``scripts/self_synth.py``), ``code`` (short programming requests,
+``benchmarks/data/code_heldout.jsonl``); ``--limit N`` caps every set at N prompts.
 
     python benchmarks/eval_acceptance.py --draft models/drafts/smollm2-135m-instruct-dflash
+    python benchmarks/eval_acceptance.py --sets selfgen-heldout code --skip-speed
 
 The speculative engine verifies all K drafts every step (``"adaptive": false``), so the
 figures describe the draft itself; ``benchmarks/bench_spec_policy.py`` measures the adaptive
@@ -28,10 +33,18 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.args import default_draft_for  # noqa: E402
 
 
+DATA = Path(__file__).resolve().parent / "data"
+SETS = ["gsm8k-test", "self-instruct-heldout", "selfgen-heldout", "code"]
+
+
 def held_out() -> list[str]:
     from dflash_data import held_out_prompts
 
     return held_out_prompts()
+
+
+def jsonl_prompts(name: str) -> list[str]:
+    return [r["prompt"] for r in prompt_sets.read_jsonl(DATA / name)]
 
 
 def run(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -68,10 +81,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="prompts per set used for the timed runs")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--sets", nargs="+", default=["gsm8k-test", "self-instruct-heldout"],
-                   choices=["gsm8k-test", "self-instruct-heldout"])
+    p.add_argument("--sets", nargs="+", default=SETS, choices=SETS)
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most N prompts of every set (after --gsm8k)")
     p.add_argument("--skip-acceptance", action="store_true",
                    help="only the timed runs (no pass over the whole set)")
+    p.add_argument("--skip-speed", action="store_true",
+                   help="only the acceptance pass over each set (no timed runs, no plain engine)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     drafts = [default_draft_for(args.model) if d == "default" else Path(d) for d in args.draft]
@@ -90,46 +106,53 @@ def main(argv: list[str] | None = None) -> None:
         kind = "dflash2" if type(llm.engine.proposer).__name__ == "DFlash2Proposer" else "dflash"
         label = f"{kind}:{draft.name}"
         engines[label] = (draft, llm)
-    plain = LLM(speculative_config=None, **common)
-    tok = plain.get_tokenizer()
+    if args.skip_speed and args.skip_acceptance:
+        raise SystemExit("--skip-speed and --skip-acceptance leave nothing to measure")
+    plain = None if args.skip_speed else LLM(speculative_config=None, **common)
+    tok = next(iter(engines.values()))[1].get_tokenizer()
     # the first requests of an engine are several times slower (kernels built and loaded,
     # first-use allocations): keep them out of the timed runs
-    for _, llm in list(engines.values()) + [(None, plain)]:
+    for _, llm in list(engines.values()) + ([(None, plain)] if plain else []):
         llm.generate(prompt_sets.chat(tok, ["Say hello."]) * 2,
                      SamplingParams(max_tokens=16, temperature=0))
     loaders = {
         "gsm8k-test": lambda: prompt_sets.gsm8k_questions("test", args.gsm8k),
         "self-instruct-heldout": held_out,
+        "selfgen-heldout": lambda: jsonl_prompts("selfgen_heldout.jsonl"),
+        "code": lambda: jsonl_prompts("code_heldout.jsonl"),
     }
-    sets = {name: prompt_sets.chat(tok, loaders[name]()) for name in args.sets}
+    sets = {name: prompt_sets.chat(tok, loaders[name]()[: args.limit]) for name in args.sets}
     report = {"drafts": {}, "adaptive": False, "no_spec": {}}
     c = f"c{args.concurrency}_tok_s"
     for name, prompts in sets.items():
         subset = prompts[: args.speed_prompts]
         single_prompts = subset[: max(2, args.speed_prompts // 4)]
-        base_single = run(plain, single_prompts, 1, args.max_tokens)
-        base_batch = run(plain, subset, args.concurrency, args.max_tokens)
-        base = {"single_tok_s": round(base_single["tok_s"], 1), c: round(base_batch["tok_s"], 1),
+        if plain is not None:
+            base_single = run(plain, single_prompts, 1, args.max_tokens)
+            base_batch = run(plain, subset, args.concurrency, args.max_tokens)
+            report["no_spec"][name] = {
+                "single_tok_s": round(base_single["tok_s"], 1), c: round(base_batch["tok_s"], 1),
                 "single_ms_per_step": round(1000 * base_single["seconds"] / base_single["tokens"], 2)}
-        report["no_spec"][name] = base
         for label, (draft, llm) in engines.items():
-            single = run(llm, single_prompts, 1, args.max_tokens)
-            batch = run(llm, subset, args.concurrency, args.max_tokens)
-            steps = single["drafts"] + len(single_prompts)  # single stream: one step per draft
-            # acceptance over the whole set, or what the timed single stream accepted
-            acc = single if args.skip_acceptance else run(llm, prompts, 16, args.max_tokens)
             entry = report["drafts"].setdefault(label, {
                 "draft": str(draft),
                 "num_speculative_tokens": llm.engine.proposer.num_speculative_tokens, "sets": {}})
-            entry["sets"][name] = {
-                "prompts": len(prompts),
-                "acceptance_length": round(acc["acceptance_length"] or 1.0, 3),
-                "accepted_per_pos": acc["accepted_per_pos"],
-                "speed": {"single_tok_s": round(single["tok_s"], 1), c: round(batch["tok_s"], 1),
-                          "single_ms_per_step": round(1000 * single["seconds"] / steps, 2)},
-                "single_speedup": round(single["tok_s"] / base_single["tok_s"], 2),
-            }
-            print(label, name, json.dumps(entry["sets"][name]), flush=True)
+            result = {"prompts": len(prompts)}
+            if plain is not None:
+                single = run(llm, single_prompts, 1, args.max_tokens)
+                batch = run(llm, subset, args.concurrency, args.max_tokens)
+                steps = single["drafts"] + len(single_prompts)  # single stream: one step per draft
+            # acceptance over the whole set, or what the timed single stream accepted
+            acc = single if args.skip_acceptance else run(llm, prompts, 16, args.max_tokens)
+            result["acceptance_length"] = round(acc["acceptance_length"] or 1.0, 3)
+            result["accepted_per_pos"] = acc["accepted_per_pos"]
+            if plain is not None:
+                result["speed"] = {"single_tok_s": round(single["tok_s"], 1),
+                                   c: round(batch["tok_s"], 1),
+                                   "single_ms_per_step": round(1000 * single["seconds"] / steps, 2)}
+                result["single_speedup"] = round(single["tok_s"] / base_single["tok_s"], 2)
+            entry["sets"][name] = result
+            print(label, name, json.dumps(result), flush=True)
     print()
     print("| draft | set | prompts | mean acceptance length | accepted per position "
           f"| single tok/s (draft / none) | ms per step single (draft / none) "
@@ -137,11 +160,12 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for label, entry in report["drafts"].items():
         for name, r in entry["sets"].items():
-            s, b = r["speed"], report["no_spec"][name]
+            s, b = r.get("speed"), report["no_spec"].get(name)
+            speed = (f"{s['single_tok_s']} / {b['single_tok_s']} | "
+                     f"{s['single_ms_per_step']} / {b['single_ms_per_step']} | {s[c]} / {b[c]}"
+                     if s else "- | - | -")
             print(f"| {label} | {name} | {r['prompts']} | {r['acceptance_length']:.2f} | "
-                  f"{' '.join(f'{x:.2f}' for x in r['accepted_per_pos'])} | "
-                  f"{s['single_tok_s']} / {b['single_tok_s']} | "
-                  f"{s['single_ms_per_step']} / {b['single_ms_per_step']} | {s[c]} / {b[c]} |")
+                  f"{' '.join(f'{x:.2f}' for x in r['accepted_per_pos'])} | {speed} |")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 
