@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("specserve.server")
 
@@ -186,6 +187,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(message, exc.status_code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    async def client_gone(_: Request, exc: Exception) -> JSONResponse:
+        # the client closed the connection while its body was being read (or h11 already
+        # answered a malformed body with a 400): nobody is left to answer, not a server error
+        log.debug("client disconnected before its request body was read")
+        return JSONResponse(error_body("The client disconnected during the request", 400),
+                            status_code=400)
+
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error while serving a request", exc_info=exc)
         return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}", 500),
@@ -195,4 +203,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, unexpected)

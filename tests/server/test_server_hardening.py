@@ -248,6 +248,20 @@ def test_unparsable_http_gets_a_json_400(srv: RunningServer, raw: bytes) -> None
     assert json.loads(body)["error"]["code"] == 400
 
 
+def test_client_leaving_mid_body_is_not_a_server_error(
+        srv: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("ERROR", logger="specserve.server"):
+        for tail in (b"", b"\r\nZZ\r\n"):  # gone mid-body; a bad chunk h11 answers itself
+            with _connect(srv) as sock:
+                te = b"Transfer-Encoding: chunked" if tail else b"Content-Length: 100"
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                             b"application/json\r\nAuthorization: Bearer " + KEY.encode()
+                             + b"\r\n" + te + b"\r\n\r\n" + (tail or b'{"prompt": '))
+                time.sleep(0.3)
+        time.sleep(0.5)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_keep_alive_survives_a_slow_client_elsewhere(srv: RunningServer) -> None:
     with httpx.Client(base_url=srv.base_url, headers=AUTH, timeout=30) as http:
         assert http.get("/v1/models").status_code == 200
