@@ -8,7 +8,8 @@ the rest are aborted with a final error event (503); then uvicorn closes sockets
 Slow clients: uvicorn bounds idle keep-alive connections but not a request whose headers
 trickle in, so ``GuardedH11Protocol`` closes a connection (after a 408) whose request headers
 are not complete ``header_timeout`` seconds after its first byte (or after the connection
-opened), and answers requests h11 cannot parse with a JSON 400 instead of uvicorn's plain text. Bodies are bounded by ``read_json``'s timeout. ``--limit-concurrency`` is enforced by
+opened), and answers requests h11 cannot parse with a JSON 400 instead of uvicorn's plain
+text. Bodies are bounded by ``read_json``'s timeout. ``--limit-concurrency`` is enforced by
 ``ConcurrencyLimitMiddleware`` (JSON 503s, in-flight requests only), not by uvicorn's
 ``limit_concurrency``: that one counts idle connections too, answers in plain text, and
 refuses requests rather than connections, so it bounds nothing the timeouts do not.
