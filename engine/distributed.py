@@ -14,9 +14,12 @@ group, so several engines can live in one process):
   (``SPECSERVE_TP_TIMEOUT`` seconds, default 120): a worker that hangs fails the step;
 - ``ctrl`` (gloo): step plans from rank 0; workers wait there between steps, so its timeout
   only bounds how long an idle engine may stay idle (30 days).
-A worker that dies closes its sockets, so the peers' collectives fail at once; rank 0 also
-checks its workers' exit codes before every step. Either way the step raises
-``TensorParallelError`` naming the rank and how it died, and the remaining workers are stopped.
+A worker that dies closes its sockets, so the peers' collectives fail at once (gloo); rank 0
+also checks its workers' exit codes before every step and, through ``LLMEngine.check_health``,
+while the server is idle. Either way the step raises
+``TensorParallelError`` naming the rank and how it died, and the remaining workers are stopped;
+the server answers 503 and exits. On NCCL (untested here: no GPUs) a peer that dies in the
+middle of a collective is only noticed by NCCL's watchdog after ``SPECSERVE_TP_TIMEOUT``.
 Startup exchanges (readiness, the resolved layout and block count, each rank's report) go
 through the store, polled with the workers' liveness, so a worker that dies at startup is
 reported within a second instead of after a timeout.
@@ -82,8 +85,10 @@ class Comm:
         # rank 0 waits for every worker to take the plan, which a hung worker never does
         self.send_timeout = timedelta(seconds=timeout) if rank == 0 else IDLE_TIMEOUT
         model_store = dist.PrefixStore("model", store)
-        if device.type == "cuda":  # not exercised by the CPU tests
-            self.model = dist.ProcessGroupNCCL(model_store, rank, size)
+        if device.type == "cuda":  # not exercised by the CPU tests (scripts/tp_nccl_check.sh)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timedelta(seconds=timeout)  # the watchdog's bound, as on gloo
+            self.model = dist.ProcessGroupNCCL(model_store, rank, size, options)
         else:
             self.model = dist.ProcessGroupGloo(model_store, rank, size, timedelta(seconds=timeout))
         self.reduce_seconds = 0.0  # time spent in all-reduces (waiting for peers included)

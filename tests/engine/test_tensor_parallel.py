@@ -1,5 +1,9 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks): greedy output equal to one rank, the layout
-contract on every rank, and bounded failure when a worker dies or hangs."""
+contract on every rank, and bounded failure when a worker dies or hangs.
+
+``SPECSERVE_TP_DEVICE=cuda`` runs the equality tests and the startup tests on CUDA devices
+0 and 1 instead (NCCL all-reduces; ``scripts/tp_nccl_check.sh``); they skip without 2 GPUs.
+The failure tests stay on the CPU (gloo): a dead NCCL peer is only noticed after a timeout."""
 
 from __future__ import annotations
 
@@ -19,6 +23,22 @@ from models.loader import decoder_config
 from tests.spec.helpers import make_llm, random_prompts, save_draft, save_target, token_ids
 
 PROMPTS = random_prompts([5, 23, 9, 40, 14, 31])
+TP_DEVICE_ENV = "SPECSERVE_TP_DEVICE"
+
+
+@pytest.fixture
+def tp_device() -> dict:
+    """Engine args placing the ranks: ``{}`` (CPU, gloo) unless ``SPECSERVE_TP_DEVICE=cuda``,
+    which needs two visible CUDA devices (else the test skips)."""
+    device = os.environ.get(TP_DEVICE_ENV, "cpu")
+    if device == "cpu":
+        return {}
+    if device != "cuda":
+        pytest.fail(f"{TP_DEVICE_ENV} must be cpu or cuda, got {device!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        pytest.skip(f"{TP_DEVICE_ENV}=cuda needs 2 CUDA devices for TP=2, {count} visible")
+    return {"device": "cuda"}
 
 
 def _qwen3_one_kv_head(folder: Path) -> Path:
@@ -73,9 +93,10 @@ CASES = [  # (model, draft, extra engine args)
 @pytest.mark.parametrize("name,with_draft,extra", CASES,
                          ids=["llama-kv2-preempt", "qwen3-kv1", "llama-kv2-dflash",
                               "qwen3-kv1-dflash-hnd"])
-def test_tp2_greedy_equals_tp1(models, name, with_draft, extra, restore_threads):
+def test_tp2_greedy_equals_tp1(models, name, with_draft, extra, restore_threads, tp_device):
     spec = {"method": "dflash", "model": str(models["draft"]), "num_speculative_tokens": 3} \
         if with_draft else None
+    extra = {**extra, **tp_device}
     one = make_llm(models[name], spec, **extra)
     want = one.generate(PROMPTS, _params())
     two = make_llm(models[name], spec, tensor_parallel_size=2, **extra)
@@ -97,6 +118,8 @@ def test_tp2_greedy_equals_tp1(models, name, with_draft, extra, restore_threads)
         want_layout = extra.get("kv_cache_layout", "NHD")
         assert reports[0]["layout"] == want_layout
         assert reports[0]["groups"]["target"]["dtype"] == "float32"
+        if tp_device:  # one rank per device: rank 1 on the next CUDA device
+            assert [str(d) for d in two.engine.tp.devices] == ["cuda:0", "cuda:1"]
         kv_heads = decoder_config(one.engine_config.model.hf_config).num_kv_heads
         assert reports[0]["groups"]["target"]["kv_heads"] == max(1, kv_heads // 2)
         if with_draft:  # the draft lives on rank 0 only, and its drafts were verified
@@ -141,14 +164,15 @@ def test_shard_slices_cover_the_checkpoint():
         decoder_config({**_hf(cfg), "num_key_value_heads": 4, "num_attention_heads": 12}), 3)
 
 
-def test_engine_startup_failure_stops_the_workers(models, restore_threads):
+def test_engine_startup_failure_stops_the_workers(models, restore_threads, tp_device):
     import gc
     import multiprocessing
 
     from engine.kv_pool import KVBudgetError
 
     with pytest.raises(KVBudgetError):  # rank 0 fails after the workers started
-        make_llm(models["llama-kv2"], tensor_parallel_size=2, kv_cache_memory="4KiB")
+        make_llm(models["llama-kv2"], tensor_parallel_size=2, kv_cache_memory="4KiB",
+                 **tp_device)
     gc.collect()
     deadline = time.monotonic() + 10
     while multiprocessing.active_children() and time.monotonic() < deadline:
