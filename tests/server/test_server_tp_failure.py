@@ -142,6 +142,7 @@ def test_serve_exits_when_an_idle_workers_dies(tiny: Path) -> None:
         assert "the engine died, the server exits with status 1" in out, out
         assert "worker rank 1" in out and "SIGKILL" in out, out
         assert elapsed < BOUND
+        print(f"server exited {elapsed:.1f} s after its worker was killed")
     finally:
         if proc.poll() is None:
             proc.kill()
