@@ -104,7 +104,7 @@ def _workers(pid: int) -> list[psutil.Process]:
             if any("spawn_main" in part for part in c.cmdline())]
 
 
-def test_serve_exits_when_an_idle_workers_dies(tiny: Path) -> None:
+def test_serve_exits_when_an_idle_worker_dies(tiny: Path) -> None:
     """No request needed: the engine loop checks its workers while idle, so the process exits
     with status 1 and says which rank died and how."""
     port = free_port()
