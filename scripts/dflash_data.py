@@ -119,7 +119,7 @@ def generate(args, llm: LLM | None = None) -> None:
         todo = interleave(todo)
     print(f"{len(rows)} prompts, {len(done)} done, {len(todo)} to generate", flush=True)
     if llm is None:
-        llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=None,
                   max_model_len=args.max_model_len, max_num_seqs=args.batch)
     engine, tok = llm.engine, llm.get_tokenizer()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -164,7 +164,7 @@ def generate(args, llm: LLM | None = None) -> None:
 @torch.inference_mode()
 def features(args) -> None:
     seqs = [json.loads(line) for line in (args.out / "sequences.jsonl").open()]
-    llm = LLM(model=args.model, dtype=args.dtype, speculative_config=None,
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=None,
               max_model_len=args.max_model_len, max_num_seqs=1)
     engine = llm.engine
     layers = tuple(args.layers)
@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None, llm: LLM | None = None) -> None:
     p.add_argument("--out", type=Path, default=default_out())
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--num-gsm8k", type=int, default=2400)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)

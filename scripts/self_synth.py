@@ -241,7 +241,7 @@ def base_training_prompts(num_gsm8k: int) -> list[str]:
 def make_llm(args):
     from engine import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, speculative_config=None,
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=None,
                max_model_len=args.max_model_len, max_num_seqs=args.batch)
 
 
@@ -328,15 +328,15 @@ def first_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
                 (deadline is not None and time.time() > deadline):
             break
         llm = llm or make_llm(args)
-        # ask for the missing count over the observed keep rate, at least one chunk
-        rate = len(kept) / len(raw) if raw else 0.5
-        want = max(args.chunk, int((args.num - len(kept)) / max(rate, 0.05) * 1.05))
+        # one chunk at a time, so selection is rechecked (and sampling stops) as soon as enough
+        # are kept
         start = max((r["index"] for r in raw), default=-1) + 1
-        want = min(want, args.max_samples - len(raw))
+        want = min(args.chunk, args.max_samples - len(raw))
         gen = sample_turns(llm, [{"index": i} for i in range(start, start + want)], raw_path,
                            args, deadline)
         _stats_update(args.out, "selfgen_last_generation", gen)
     kept = kept[: args.num]
+    counts["written"] = len(kept)  # kept beyond --num (the last chunk's surplus) wait for a larger --num
     with (args.out / "selfgen_prompts.jsonl").open("w") as f:
         for r in kept:
             f.write(json.dumps({"source": "selfgen", "prompt": r["text"], "index": r["index"]}) + "\n")
@@ -372,11 +372,10 @@ def second_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
         # the parents list only grows (answers are appended), so index i is stable
         if len(kept) >= args.turn2 or not todo or (deadline is not None and time.time() > deadline):
             break
-        rate = len(kept) / len(raw) if raw else 0.5
-        want = max(args.chunk, int((args.turn2 - len(kept)) / max(rate, 0.05) * 1.05))
-        gen = sample_turns(llm, todo[:want], raw_path, args, deadline)
+        gen = sample_turns(llm, todo[: args.chunk], raw_path, args, deadline)
         _stats_update(args.out, "selfgen_turn2_last_generation", gen)
     kept = kept[: args.turn2]
+    counts["written"] = len(kept)
     with (args.out / "selfgen_turn2_prompts.jsonl").open("w") as f:
         for r in kept:
             f.write(json.dumps({"source": "selfgen_turn2", "prompt": r["text"],
@@ -444,6 +443,7 @@ def pipeline(args) -> None:
     llm = make_llm(args)
     first_turns(args, llm, deadline)
     gen_argv = ["generate", "--out", str(args.out), "--model", args.model, "--dtype", args.dtype,
+                "--device", args.device,
                 "--num-gsm8k", str(args.num_gsm8k), "--max-tokens", str(args.max_tokens),
                 "--max-model-len", str(args.max_model_len), "--batch", str(args.batch),
                 "--interleave"]
@@ -459,7 +459,8 @@ def pipeline(args) -> None:
     if args.features and (deadline is None or time.time() < deadline):
         del llm
         dflash_data.main(["features", "--out", str(args.out), "--model", args.model,
-                          "--dtype", args.dtype, "--max-model-len", str(args.max_model_len)])
+                          "--dtype", args.dtype, "--device", args.device,
+                          "--max-model-len", str(args.max_model_len)])
     print(json.dumps(summary(args.out), indent=2))
 
 
@@ -476,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="heldout: raw samples file (default: OUT/selfgen_heldout_raw.jsonl)")
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--num", type=int, default=200, help="first user turns to keep")
     p.add_argument("--turn2", type=int, default=0, help="second user turns to keep")
     p.add_argument("--max-samples", type=int, default=10**6, help="stop sampling after this many")

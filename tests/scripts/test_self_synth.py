@@ -4,6 +4,7 @@ prompts into ``dflash_data.py generate``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -128,9 +129,11 @@ def test_first_turns_resume_where_they_stopped(tmp_path):
     synth.main(["prompts", "--out", str(b), "--num", "50", "--max-samples", "6", *COMMON])
     assert [r["text"] for r in _raw(b)] == [r["text"] for r in resumed]
     stats = json.loads((a / "selfgen_stats.json").read_text())["selfgen"]
-    assert stats["samples"] == 6 and sum(v for k, v in stats.items() if k != "samples") == 6
+    reasons = {k: v for k, v in stats.items() if k not in ("samples", "written")}
+    assert stats["samples"] == 6 and sum(reasons.values()) == 6
     kept = [json.loads(line) for line in (a / "selfgen_prompts.jsonl").open()]
-    assert len(kept) == stats.get("kept", 0)
+    assert len(kept) == stats["written"] == stats.get("kept", 0)  # fewer kept than --num
+    assert [r["source"] for r in kept] == ["selfgen"] * len(kept)
 
 
 def test_self_generated_turns_are_answered_and_extended(tmp_path):
@@ -147,8 +150,8 @@ def test_self_generated_turns_are_answered_and_extended(tmp_path):
 
     synth.main(["turn2", "--out", str(tmp_path), "--turn2", "5", *COMMON])
     raw = _raw(tmp_path, "selfgen_turn2_raw.jsonl")
-    tok = synth.make_llm(synth.main.__globals__["argparse"].Namespace(
-        model="smollm2-135m-instruct", dtype="float32", max_model_len=256, batch=1)).get_tokenizer()
+    tok = synth.make_llm(argparse.Namespace(model="smollm2-135m-instruct", dtype="float32",
+                                            device="cpu", max_model_len=256, batch=1)).get_tokenizer()
     answer = tok.decode(seqs[0]["response_ids"], skip_special_tokens=True).strip()
     assert len(raw) == 1 and raw[0]["history"] == [seqs[0]["prompt"], answer]
 
