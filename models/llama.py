@@ -10,12 +10,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV
-from models.layers import RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary
+from models.layers import Linear, RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary, linear
 
 
 class WeightLoadError(ValueError):
@@ -95,8 +94,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.q_size, spec.kv_size
-        self.qkv_proj = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(spec.q_size, spec.hidden_size, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
@@ -117,7 +116,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         w = self.qkv_proj.weight[self.q_size :]
         b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
-        k, v = F.linear(x, w, b).split(self.kv_size, dim=-1)
+        k, v = linear(x, w, b).split(self.kv_size, dim=-1)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
@@ -158,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -192,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.hf_folder import ModelConfigError, weight_files
+from models.layers import linear
 from models.llama import DecoderConfig, LlamaForCausalLM
 from models.loader import LOAD_FORMATS, build_target, decoder_config
 
@@ -139,7 +139,7 @@ class RowParallelLinear(nn.Module):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         self.all_reduce(out)
         return out
 

@@ -1,10 +1,11 @@
 """The real SmolLM2-135M target (bfloat16, the serving dtype) on the paged CPU attention:
-greedy with speculation equals greedy without at 1, 8 and 32 concurrent requests.
+greedy with speculation equals greedy without at 1, 8 and 32 concurrent requests, and a
+request's tokens do not depend on its batch mates.
 
-Whether a request's tokens are independent of its batch mates end to end is checked too, but
-marked xfail: the attention is batch-invariant (tests/attention/test_batch_invariance.py), but
-the bfloat16 down projection (K = 1536) on oneDNN gives some rows different bits depending on
-how many rows the GEMM has (measured; see docs/performance.md), which is outside attention."""
+The attention is batch-invariant by construction (tests/attention/test_batch_invariance.py);
+the matrix products are through ``models.layers.linear``, which never multiplies a single
+bf16 row on its own (oneDNN's one-row kernel rounds differently; tests/models/
+test_linear_rows.py)."""
 
 from __future__ import annotations
 
@@ -65,8 +66,6 @@ def plain(real_model):
     return prompts, out
 
 
-@pytest.mark.xfail(reason="bf16 oneDNN GEMM rows depend on the row count (not attention)",
-                   strict=False)
 def test_plain_batch_equals_alone(plain):
     _, out = plain
     assert_same_tokens(out[8], out["alone"], "plain, 8 together vs alone")
