@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from srvutil import MODEL, assert_error, free_port, sse_events, start_server
 
@@ -99,9 +98,18 @@ def test_lost_worker_fails_in_flight_and_new_requests_with_503(tiny: Path) -> No
                 p.kill()
 
 
-def _workers(pid: int) -> list[psutil.Process]:
-    return [c for c in psutil.Process(pid).children()
-            if any("spawn_main" in part for part in c.cmdline())]
+def _workers(pid: int) -> list[int]:
+    """Pids of the spawned worker processes among ``pid``'s children (read from /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline:
+                out.append(int(child))
+    return out
 
 
 def test_serve_exits_when_an_idle_worker_dies(tiny: Path) -> None:
@@ -130,7 +138,7 @@ def test_serve_exits_when_an_idle_worker_dies(tiny: Path) -> None:
         assert r.status_code == 200, r.text
         workers = _workers(proc.pid)
         assert len(workers) == 1, workers
-        workers[0].kill()
+        os.kill(workers[0], signal.SIGKILL)
         t0 = time.monotonic()
         try:
             code = proc.wait(BOUND)
