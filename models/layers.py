@@ -13,7 +13,7 @@ _REDUCED = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` over rows ``x [N, in]`` whose every row comes out bitwise the same however
+    """``F.linear`` over rows ``x [N, ..., in]`` whose every row comes out bitwise the same however
     many rows the product has, so a token's logits do not depend on its batch mates or on
     whether it is decoded alone or verified in a block of drafts.
 
@@ -25,7 +25,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows: the extra row costs nothing measurable in a product bound by reading the weights.
     """
     if x.shape[0] == 1 and x.dtype in _REDUCED and x.device.type == "cpu":
-        return F.linear(x.expand(2, -1), weight, bias)[:1]
+        return F.linear(x.expand(2, *x.shape[1:]), weight, bias)[:1]
     return F.linear(x, weight, bias)
 
 

@@ -226,7 +226,7 @@ class AsyncEngine:
             busy = engine.has_unfinished_requests()
             if not busy:
                 engine.check_health()  # a worker lost while idle: die now, not at the next request
-            if busy:
+            else:
                 outputs = engine.step()  # an exception here kills the engine (see _run)
                 self._publish(outputs)
                 if not outputs and engine.num_running == 0:
