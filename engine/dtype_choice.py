@@ -10,6 +10,7 @@ is cached per machine and model shape (``engine.measure_cache``) and logged with
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 import time
 
 import torch
@@ -18,7 +19,8 @@ from engine import measure_cache
 
 log = logging.getLogger("specserve.engine")
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: dtypes timed in alternating rounds
+DTYPES = ("float32", "bfloat16")
 _HEAD_ROWS_MAX = 32768  # time at most this many LM-head rows, scaled to the vocabulary
 
 
@@ -33,12 +35,11 @@ def auto_dtype(hf_config: dict, device: torch.device) -> torch.dtype:
     times = None
     if cached is not None:
         try:
-            times = {name: float(cached[name]) for name in ("float32", "bfloat16")}
+            times = {name: float(cached[name]) for name in DTYPES}
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring measurement cache %s; measuring again", path)
     if times is None:
-        times = {name: time_forward_gemms(shapes, getattr(torch, name), device)
-                 for name in ("float32", "bfloat16")}
+        times = measure_dtypes(shapes, device)
         measure_cache.save(path, times)
     choice = min(times, key=times.get)
     log.info("dtype auto: %s (model matmuls per token: float32 %.2f ms, bfloat16 %.2f ms)",
@@ -62,37 +63,47 @@ def model_gemm_shapes(hf: dict) -> dict:
     }
 
 
-def time_forward_gemms(shapes: dict, dtype: torch.dtype, device: torch.device,
-                       rows: tuple[int, ...] = (1, 8), repeats: int = 5) -> float:
-    """Seconds of the model's matrix products for one token, averaged over ``rows``."""
+def measure_dtypes(shapes: dict, device: torch.device, names: tuple[str, ...] = DTYPES,
+                   rounds: int = 5) -> dict[str, float]:
+    """Best seconds per dtype of the model's matrix products for one token. The dtypes are
+    timed in alternating rounds, so a stretch of load on the machine hits both alike (timed
+    one after the other, a busy second once made bf16 look 5x slower than float32 here, and
+    that answer was cached)."""
+    timers = {name: forward_gemm_timer(shapes, getattr(torch, name), device) for name in names}
+    best = dict.fromkeys(names, float("inf"))
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            best[name] = min(best[name], timer())
+    return best
+
+
+def forward_gemm_timer(shapes: dict, dtype: torch.dtype, device: torch.device,
+                       rows: tuple[int, ...] = (1, 8)) -> Callable[[], float]:
+    """A function that times the model's matrix products for one token once (seconds,
+    averaged over ``rows``); built and warmed up here."""
     gen = torch.Generator().manual_seed(0)
     hidden, vocab = shapes["head"]
     head_rows = min(vocab, _HEAD_ROWS_MAX)
     weights = [torch.randn(o, i, generator=gen).to(device=device, dtype=dtype)
                for i, o in shapes["layer"]]
     head = torch.randn(head_rows, hidden, generator=gen).to(device=device, dtype=dtype)
-    total = 0.0
-    for m in rows:
-        inputs = [torch.randn(m, i, generator=gen).to(device=device, dtype=dtype)
-                  for i, _ in shapes["layer"]]
-        head_in = torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype)
+    inputs = [([torch.randn(m, i, generator=gen).to(device=device, dtype=dtype)
+                for i, _ in shapes["layer"]],
+               torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype))
+              for m in rows]
 
-        def layer() -> None:
-            for x, w in zip(inputs, weights):
+    def once() -> float:
+        total = 0.0
+        for layer_in, head_in in inputs:
+            t0 = time.perf_counter()
+            for x, w in zip(layer_in, weights):
                 torch.nn.functional.linear(x, w)
+            t1 = time.perf_counter()
+            torch.nn.functional.linear(head_in, head)
+            t2 = time.perf_counter()
+            total += shapes["layers"] * (t1 - t0) + (t2 - t1) * vocab / head_rows
+        return total / len(rows)
 
-        layer_t = _best_time(layer, repeats)
-        head_t = _best_time(lambda: torch.nn.functional.linear(head_in, head), repeats)
-        total += shapes["layers"] * layer_t + head_t * vocab / head_rows
-    return total / len(rows)
-
-
-def _best_time(fn, repeats: int, warmup: int = 8) -> float:
-    for _ in range(warmup):  # the first calls of a shape pick and build its kernel (bf16: slow)
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    for _ in range(8):  # the first calls of a shape pick and build its kernel (bf16: slow)
+        once()
+    return once

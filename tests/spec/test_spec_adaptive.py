@@ -107,9 +107,9 @@ def test_dtype_auto_picks_the_measured_faster_and_caches_it(monkeypatch, tmp_pat
 
     def fake(shapes, dtype, device):
         calls.append(dtype)
-        return {torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]
+        return lambda: {torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]
 
-    monkeypatch.setattr(dc, "time_forward_gemms", fake)
+    monkeypatch.setattr(dc, "forward_gemm_timer", fake)
     with caplog.at_level(logging.INFO, logger="specserve"):
         assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
     assert "float32 2000.00 ms, bfloat16 1000.00 ms" in caplog.text
@@ -117,8 +117,8 @@ def test_dtype_auto_picks_the_measured_faster_and_caches_it(monkeypatch, tmp_pat
     assert len(calls) == 2  # the second answer came from the cache
     for f in (tmp_path / "measurements").glob("dtype-*.json"):
         f.write_text("not json")
-    monkeypatch.setattr(dc, "time_forward_gemms",
-                        lambda s, d, dev: {torch.float32: 1.0, torch.bfloat16: 3.0}[d])
+    monkeypatch.setattr(dc, "forward_gemm_timer",
+                        lambda s, d, dev: lambda: {torch.float32: 1.0, torch.bfloat16: 3.0}[d])
     assert dc.auto_dtype(hf, torch.device("cpu")) == torch.float32
 
 
@@ -150,3 +150,21 @@ def test_cost_measurement_on_a_time_budget(qwen3_target, draft_dir):
     assert model.draft[3] == pytest.approx(64 * model.draft[0])
     # the engine still serves normally afterwards
     assert token_ids(llm.generate(random_prompts([5]), greedy(8)))[0]
+
+
+def test_dtype_measurement_alternates_the_dtypes(monkeypatch):
+    """A stretch of load must hit both dtypes: their timings interleave, best of the rounds."""
+    import engine.dtype_choice as dc
+
+    order = []
+    slow_once = {"bfloat16": [5.0, 1.0, 1.2], "float32": [2.0, 2.1, 2.2]}
+
+    def fake(shapes, dtype, device):
+        name = str(dtype).removeprefix("torch.")
+        times = iter(slow_once[name])
+        return lambda: order.append(name) or next(times)
+
+    monkeypatch.setattr(dc, "forward_gemm_timer", fake)
+    best = dc.measure_dtypes({}, torch.device("cpu"), rounds=3)
+    assert order == ["float32", "bfloat16"] * 3
+    assert best == {"float32": 2.0, "bfloat16": 1.0}
