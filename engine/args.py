@@ -61,7 +61,7 @@ class EngineArgs:
         dec = decoder_config(hf)
         dtype = parse_dtype(self.dtype)
         if dtype is None:
-            dtype = auto_dtype(hf, torch.device(self.device))
+            dtype = auto_dtype(hf, torch.device(self.device), self.max_num_seqs)
         max_len = self.max_model_len or dec.max_position_embeddings
         if max_len > dec.max_position_embeddings:
             raise ConfigError(

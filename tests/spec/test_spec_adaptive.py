@@ -105,21 +105,47 @@ def test_dtype_auto_picks_the_measured_faster_and_caches_it(monkeypatch, tmp_pat
           "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 2}
     calls = []
 
-    def fake(shapes, dtype, device):
+    def fake(shapes, dtype, device, rows):
         calls.append(dtype)
-        return lambda: {torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]
+        return lambda: [{torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]] * len(rows)
 
     monkeypatch.setattr(dc, "forward_gemm_timer", fake)
     with caplog.at_level(logging.INFO, logger="specserve"):
         assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
-    assert "float32 2000.00 ms, bfloat16 1000.00 ms" in caplog.text
+    assert ("ms per token at 1/4/16/32 rows: float32 2000.00/2000.00/2000.00/2000.00, "
+            "bfloat16 1000.00/1000.00/1000.00/1000.00") in caplog.text
     assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
     assert len(calls) == 2  # the second answer came from the cache
     for f in (tmp_path / "measurements").glob("dtype-*.json"):
         f.write_text("not json")
-    monkeypatch.setattr(dc, "forward_gemm_timer",
-                        lambda s, d, dev: lambda: {torch.float32: 1.0, torch.bfloat16: 3.0}[d])
+    monkeypatch.setattr(dc, "forward_gemm_timer", lambda s, d, dev, rows: lambda: [
+        {torch.float32: 1.0, torch.bfloat16: 3.0}[d]] * len(rows))
     assert dc.auto_dtype(hf, torch.device("cpu")) == torch.float32
+
+
+def test_dtype_auto_weighs_every_batch_size(monkeypatch, tmp_path):
+    """As measured with AVX2 kernels: bf16 twice as fast at one row, half as fast from 16 rows
+    on. The one-row figure alone would pick bf16 and halve throughput under load; the choice
+    weighs every batch size up to max_num_seqs alike (geometric mean)."""
+    import engine.dtype_choice as dc
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+          "vocab_size": 256, "num_hidden_layers": 2}
+    per_token = {torch.float32: {1: 60.0, 4: 18.0, 16: 10.0, 32: 8.0},
+                 torch.bfloat16: {1: 30.0, 4: 22.0, 16: 20.0, 32: 17.0}}
+    seen = []
+
+    def fake(shapes, dtype, device, rows):
+        seen.append(rows)
+        return lambda: [per_token[dtype][r] for r in rows]
+
+    monkeypatch.setattr(dc, "forward_gemm_timer", fake)
+    assert dc.auto_dtype(hf, torch.device("cpu"), max_num_seqs=64) == torch.float32
+    assert seen[-1] == (1, 4, 16, 32)
+    # an engine that never batches more than one request only has the one-row case
+    assert dc.auto_dtype(hf, torch.device("cpu"), max_num_seqs=1) == torch.bfloat16
+    assert seen[-1] == (1,)
 
 
 def test_dtype_auto_real_measurement_runs_on_this_machine(monkeypatch, tmp_path):
@@ -159,12 +185,12 @@ def test_dtype_measurement_alternates_the_dtypes(monkeypatch):
     order = []
     slow_once = {"bfloat16": [5.0, 1.0, 1.2], "float32": [2.0, 2.1, 2.2]}
 
-    def fake(shapes, dtype, device):
+    def fake(shapes, dtype, device, rows):
         name = str(dtype).removeprefix("torch.")
         times = iter(slow_once[name])
-        return lambda: order.append(name) or next(times)
+        return lambda: order.append(name) or [next(times)] * len(rows)
 
     monkeypatch.setattr(dc, "forward_gemm_timer", fake)
-    best = dc.measure_dtypes({}, torch.device("cpu"), rounds=3)
+    best = dc.measure_dtypes({}, torch.device("cpu"), rounds=3, rows=(1, 4))
     assert order == ["float32", "bfloat16"] * 3
-    assert best == {"float32": 2.0, "bfloat16": 1.0}
+    assert best == {"float32": [2.0, 2.0], "bfloat16": [1.0, 1.0]}
