@@ -2,8 +2,9 @@
 
 Offline ``LLM.generate``, greedy, natural stops, the default model with its shipped DFlash
 draft. Engines: no speculation, one fixed-K engine per ``--fixed-k`` (verifies K drafts every
-step) and the adaptive default. For each prompt set and concurrency they run the same prompts
-in turn (side by side in time, so machine drift hits all alike); greedy outputs must agree
+step) and the adaptive default. For each prompt set and concurrency they run the same prompts,
+taking turns batch by batch in a rotating order (a slow minute of a shared machine then hits
+every engine alike; one engine after the other, ratios moved by 10-20%); greedy outputs must agree
 token for token (the script counts mismatches). Reports output tok/s, the ratio to no
 speculation, the mean acceptance length of the verified drafts and, for the adaptive engine,
 how often each k = 0..K was verified. Set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to
@@ -61,24 +62,37 @@ def cpu_description() -> str:
     return f"{model} ({', '.join(simd) or 'no AVX2'})"
 
 
-def measure(llm: LLM, prompts: list[str], concurrency: int, params: SamplingParams) -> dict:
-    s0 = llm.get_spec_decoding_stats()
-    before = (s0.num_drafts, s0.num_accepted_tokens, list(s0.num_steps_by_k))
-    outputs: list[list[int]] = []
-    start = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        outputs += [o.outputs[0].token_ids for o in llm.generate(prompts[i:i + concurrency],
-                                                                  params)]
-    seconds = time.perf_counter() - start
-    s1 = llm.get_spec_decoding_stats()
-    drafts = s1.num_drafts - before[0]
-    accepted = s1.num_accepted_tokens - before[1]
-    by_k = [a - b for a, b in zip(s1.num_steps_by_k, before[2])] if before[2] else []
-    tokens = sum(len(o) for o in outputs)
-    return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-            "acceptance_length": 1 + accepted / drafts if drafts else None,
-            "steps_by_k": by_k, "outputs": outputs}
-
+def measure(llms: dict[str, LLM], prompts: list[str], concurrency: int,
+            params: SamplingParams) -> dict[str, dict]:
+    """Every engine runs the same prompts, ``concurrency`` at a time. The engines take turns
+    batch by batch (the order rotating each batch), so that a slow minute of the machine hits
+    them all alike instead of whichever engine ran then."""
+    names = list(llms)
+    acc = {n: {"tokens": 0, "seconds": 0.0, "outputs": []} for n in names}
+    before = {}
+    for n, llm in llms.items():
+        s = llm.get_spec_decoding_stats()
+        before[n] = (s.num_drafts, s.num_accepted_tokens, list(s.num_steps_by_k))
+    batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
+    for b, batch in enumerate(batches):
+        for n in names[b % len(names):] + names[:b % len(names)]:
+            start = time.perf_counter()
+            outs = [o.outputs[0].token_ids for o in llms[n].generate(batch, params)]
+            acc[n]["seconds"] += time.perf_counter() - start
+            acc[n]["tokens"] += sum(len(o) for o in outs)
+            acc[n]["outputs"] += outs
+    res = {}
+    for n, llm in llms.items():
+        s1 = llm.get_spec_decoding_stats()
+        drafts = s1.num_drafts - before[n][0]
+        accepted = s1.num_accepted_tokens - before[n][1]
+        by_k = [a - b for a, b in zip(s1.num_steps_by_k, before[n][2])] if before[n][2] else []
+        a = acc[n]
+        res[n] = {"tok_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
+                  "seconds": a["seconds"],
+                  "acceptance_length": 1 + accepted / drafts if drafts else None,
+                  "steps_by_k": by_k, "outputs": a["outputs"]}
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         for c in args.concurrency:
             n = args.single_prompts if c == 1 else c * args.waves
             prompts = prompt_sets.chat(tok, questions[set_name](n))
-            res = {name: measure(llms[name], prompts, c, params) for name in systems}
+            res = measure(llms, prompts, c, params)
             base = res["none"]["outputs"]
             mismatches = sum(res[s]["outputs"] != base for s in spec_systems)
             report["rows"].append({
