@@ -1,17 +1,20 @@
 """``dtype auto``: the faster of bfloat16 and float32 for this model on this machine, measured.
 
 On CUDA, auto is bfloat16 (float16 where the GPU lacks bf16). On the CPU the choice is a
-measurement, never a guess from CPU flags: the matrix products of one decoder layer and the LM
-head, at the model's own shapes, timed in both dtypes per token (``layers x layer + head``) for
-batches of 1, 4, 16 and 32 rows (up to ``max_num_seqs``). The winner is the dtype with the
-smaller geometric mean over those batch sizes, so every load, from one stream to a full batch,
-weighs alike: with AVX2 kernels bfloat16 measured 2x faster than float32 at one row and 2x
-slower at 16-32 (the one-row figure alone would have halved throughput under load). The result
-is cached per machine and model shape (``engine.measure_cache``) and logged with the figures.
+measurement, never a guess from CPU flags: steps of a few decoder layers (the model's own
+shapes, random weights, attention over a paged cache, every elementwise op) and the LM head,
+timed in both dtypes per token for decode batches of 1, 4, 16 and 32 rows (up to
+``max_num_seqs``) and for a 128-token prefill step. The winner serves a request (a prompt
+token plus a generated token) faster in the geometric mean over the batch sizes, so one stream
+and a full batch weigh alike. With AVX2 kernels bfloat16 decodes one stream 2x faster than
+float32 but runs prefill and batches of 16-32 about 2x slower; a one-row figure alone would
+have halved throughput under load. The result is cached per machine and model shape
+(``engine.measure_cache``) and logged with the figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -24,17 +27,20 @@ from models.layers import linear
 
 log = logging.getLogger("specserve.engine")
 
-CACHE_VERSION = 4  # 3: dtypes timed in alternating rounds; 4: per batch size
+CACHE_VERSION = 5  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls
 DTYPES = ("float32", "bfloat16")
 _HEAD_ROWS_MAX = 32768  # time at most this many LM-head rows, scaled to the vocabulary
-ROWS = (1, 4, 16, 32)  # batch sizes timed (those up to max_num_seqs)
+CONTEXT = 256  # tokens of context per row in the timed steps
+TIMED_LAYERS = 4  # decoder layers timed, scaled to the model's
+ROWS = (1, 4, 16, 32)  # decode batch sizes timed (those up to max_num_seqs)
+PREFILL = 128  # tokens of one step standing for prompt processing (a prefill chunk)
 
 
 def auto_dtype(hf_config: dict, device: torch.device, max_num_seqs: int = 64) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     shapes = model_gemm_shapes(hf_config)
-    rows = tuple(r for r in ROWS if r <= max(1, max_num_seqs))
+    rows = tuple(r for r in ROWS if r <= max(1, max_num_seqs)) + (PREFILL,)
     key = {"version": CACHE_VERSION, "machine": measure_cache.machine_signature(device),
            "shapes": shapes, "rows": rows}
     path = measure_cache.cache_path("dtype", key)
@@ -49,19 +55,24 @@ def auto_dtype(hf_config: dict, device: torch.device, max_num_seqs: int = 64) ->
             log.warning("ignoring measurement cache %s; measuring again", path)
             times = None
     if times is None:
-        times = measure_dtypes(shapes, device, rows=rows)
+        times = measure_dtypes(hf_config, device, rows=rows)
         measure_cache.save(path, times)
-    score = {name: geometric_mean(t) for name, t in times.items()}
+    score = {name: request_score(t) for name, t in times.items()}
     choice = min(score, key=score.get)
-    log.info("dtype auto: %s (model matmuls, ms per token at %s rows: float32 %s, bfloat16 %s)",
-             choice, "/".join(map(str, rows)),
+    log.info("dtype auto: %s (ms per token, decode at %s rows / a %d-token prefill step: "
+             "float32 %s, bfloat16 %s)", choice, "/".join(map(str, rows[:-1])), PREFILL,
              "/".join(f"{1e3 * t:.2f}" for t in times["float32"]),
              "/".join(f"{1e3 * t:.2f}" for t in times["bfloat16"]))
     return getattr(torch, choice)
 
 
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+def request_score(times: list[float]) -> float:
+    """``times``: seconds per token of decode steps at each batch size, then of a prefill step.
+    A request costs about a prompt token's time plus a generated token's time per token (chat
+    prompts and answers run to similar lengths); the score is the geometric mean of that sum
+    over the batch sizes, so one stream and a full batch weigh alike."""
+    *decode, prefill = times
+    return math.exp(sum(math.log(d + prefill) for d in decode) / len(decode))
 
 
 def model_gemm_shapes(hf: dict) -> dict:
@@ -80,14 +91,14 @@ def model_gemm_shapes(hf: dict) -> dict:
     }
 
 
-def measure_dtypes(shapes: dict, device: torch.device, names: tuple[str, ...] = DTYPES,
-                   rounds: int = 5, rows: tuple[int, ...] = ROWS) -> dict[str, list[float]]:
-    """Best seconds per dtype of the model's matrix products for one token, one figure per
-    batch size in ``rows``. The dtypes are
+def measure_dtypes(hf: dict, device: torch.device, names: tuple[str, ...] = DTYPES,
+                   rounds: int = 3, rows: tuple[int, ...] = ROWS) -> dict[str, list[float]]:
+    """Best seconds per dtype of a decode step per token, one figure per batch size in
+    ``rows``. The dtypes are
     timed in alternating rounds, so a stretch of load on the machine hits both alike (timed
     one after the other, a busy second once made bf16 look 5x slower than float32 here, and
     that answer was cached)."""
-    timers = {name: forward_gemm_timer(shapes, getattr(torch, name), device, rows)
+    timers = {name: decode_step_timer(hf, getattr(torch, name), device, rows)
               for name in names}
     best = {name: [math.inf] * len(rows) for name in names}
     for _ in range(rounds):
@@ -96,33 +107,71 @@ def measure_dtypes(shapes: dict, device: torch.device, names: tuple[str, ...] = 
     return best
 
 
-def forward_gemm_timer(shapes: dict, dtype: torch.dtype, device: torch.device,
+def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
                        rows: tuple[int, ...] = ROWS) -> Callable[[], list[float]]:
-    """A function that times the model's matrix products once per batch size in ``rows``
-    (seconds per token); built and warmed up here."""
-    gen = torch.Generator().manual_seed(0)
-    hidden, vocab = shapes["head"]
-    head_rows = min(vocab, _HEAD_ROWS_MAX)
-    weights = [torch.randn(o, i, generator=gen).to(device=device, dtype=dtype)
-               for i, o in shapes["layer"]]
-    head = torch.randn(head_rows, hidden, generator=gen).to(device=device, dtype=dtype)
-    inputs = [([torch.randn(m, i, generator=gen).to(device=device, dtype=dtype)
-                for i, _ in shapes["layer"]],
-               torch.randn(m, hidden, generator=gen).to(device=device, dtype=dtype))
-              for m in rows]
+    """A function that times a decode step of the model once per batch size in ``rows``
+    (seconds per token); built and warmed up here.
 
+    The step is real, not the matrix products alone: ``TIMED_LAYERS`` decoder layers of the
+    model's own shapes (random weights) with their paged KV cache in the same dtype, attention
+    over ``CONTEXT`` tokens per row and every elementwise op, scaled to the number of layers,
+    plus the LM head. Elementwise work decides too: with AVX2 kernels the bf16 matrix products of 4
+    rows took 29 ms where a whole 4-row bf16 step took 90 ms."""
+    from attention.backends.base import AttentionBatch
+    from attention.backends.torch_backend import TorchBackend
+    from attention.groups import LayerKVSpec, build_groups
+    from engine.kv_pool import KVPool
+    from engine.runner import slots_for
+    from models.llama import LlamaForCausalLM
+    from models.loader import decoder_config
+
+    full = decoder_config(hf)
+    # a few consecutive layers, each with its own weights, as in the real model (one layer
+    # timed again and again keeps its weights in cache and measured 2x off the real step)
+    layers = min(full.num_layers, TIMED_LAYERS)
+    cfg = dataclasses.replace(full, num_layers=layers, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, CONTEXT + 8).to(dtype).eval()
+    head = model.embed_tokens.weight[:min(full.vocab_size, _HEAD_ROWS_MAX)]
+    head_scale = full.vocab_size / head.shape[0]
+    block = 16
+    names = [f"layers.{i}" for i in range(layers)]
+    specs = [LayerKVSpec(n, "target", cfg.num_kv_heads, cfg.head_dim, "auto", block) for n in names]
+    blocks_per_row = -(-(CONTEXT + 1) // block)
+    pages_rows = min(max(rows), max(ROWS))
+    pool = KVPool(list(build_groups(specs, dtype).values()), pages_rows * blocks_per_row, "NHD",
+                  device)
+    kv = pool.layers(names)
+    backend = TorchBackend()
+    steps = []
+    for m in rows:
+        # rows past the first few share pages: a timing needs their reads, not their contents
+        first = [r % pages_rows * blocks_per_row for r in range(m)]
+        tables = [list(range(f, f + blocks_per_row)) for f in first]
+        batch = AttentionBatch(
+            q_lens=(1,) * m, kv_lens=(CONTEXT + 1,) * m, block_tables=tuple(map(tuple, tables)),
+            slot_mapping=torch.cat([slots_for(t, CONTEXT, CONTEXT + 1, block) for t in tables]),
+            causal=True, block_size=block)
+        meta = backend.build_metadata(batch, device)
+        pos = torch.full((m,), CONTEXT, dtype=torch.long, device=device)
+        h = torch.randn(m, cfg.hidden_size, device=device).to(dtype)
+        steps.append((meta, model.rotary.lookup(pos, dtype), h))
+
+    @torch.inference_mode()
     def once() -> list[float]:
         out = []
-        for m, (layer_in, head_in) in zip(rows, inputs):
+        for m, (meta, rope, h) in zip(rows, steps):
             t0 = time.perf_counter()
-            for x, w in zip(layer_in, weights):
-                linear(x, w)
+            x = h
+            for layer, layer_kv in zip(model.layers, kv):
+                x = layer(rope, x, meta, layer_kv)
             t1 = time.perf_counter()
-            linear(head_in, head)
+            linear(model.norm(x), head)
             t2 = time.perf_counter()
-            out.append((shapes["layers"] * (t1 - t0) + (t2 - t1) * vocab / head_rows) / m)
+            out.append((full.num_layers / layers * (t1 - t0) + (t2 - t1) * head_scale) / m)
         return out
 
-    for _ in range(8):  # the first calls of a shape pick and build its kernel (bf16: slow)
+    for _ in range(2):  # the first calls of a shape pick and build its kernels (bf16: slow)
         once()
     return once

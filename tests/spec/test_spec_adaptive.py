@@ -109,54 +109,61 @@ def test_dtype_auto_picks_the_measured_faster_and_caches_it(monkeypatch, tmp_pat
         calls.append(dtype)
         return lambda: [{torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]] * len(rows)
 
-    monkeypatch.setattr(dc, "forward_gemm_timer", fake)
+    monkeypatch.setattr(dc, "decode_step_timer", fake)
     with caplog.at_level(logging.INFO, logger="specserve"):
         assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
-    assert ("ms per token at 1/4/16/32 rows: float32 2000.00/2000.00/2000.00/2000.00, "
-            "bfloat16 1000.00/1000.00/1000.00/1000.00") in caplog.text
+    assert ("decode at 1/4/16/32 rows / a 128-token prefill step: "
+            "float32 2000.00/2000.00/2000.00/2000.00/2000.00, "
+            "bfloat16 1000.00/1000.00/1000.00/1000.00/1000.00") in caplog.text
     assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
     assert len(calls) == 2  # the second answer came from the cache
     for f in (tmp_path / "measurements").glob("dtype-*.json"):
         f.write_text("not json")
-    monkeypatch.setattr(dc, "forward_gemm_timer", lambda s, d, dev, rows: lambda: [
+    monkeypatch.setattr(dc, "decode_step_timer", lambda s, d, dev, rows: lambda: [
         {torch.float32: 1.0, torch.bfloat16: 3.0}[d]] * len(rows))
     assert dc.auto_dtype(hf, torch.device("cpu")) == torch.float32
 
 
 def test_dtype_auto_weighs_every_batch_size(monkeypatch, tmp_path):
-    """As measured with AVX2 kernels: bf16 twice as fast at one row, half as fast from 16 rows
-    on. The one-row figure alone would pick bf16 and halve throughput under load; the choice
-    weighs every batch size up to max_num_seqs alike (geometric mean)."""
+    """As measured with AVX2 kernels (ms per token): bf16 twice as fast at one row, slower from
+    16 rows on and 3x slower in prefill. The one-row figure alone would pick bf16 and halve
+    throughput under load; the choice weighs every batch size up to max_num_seqs alike."""
     import engine.dtype_choice as dc
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
           "vocab_size": 256, "num_hidden_layers": 2}
-    per_token = {torch.float32: {1: 60.0, 4: 18.0, 16: 10.0, 32: 8.0},
-                 torch.bfloat16: {1: 30.0, 4: 22.0, 16: 20.0, 32: 17.0}}
+    per_token = {torch.float32: {1: 62.1, 4: 22.4, 16: 8.2, 32: 5.4, 128: 3.1},
+                 torch.bfloat16: {1: 33.9, 4: 14.3, 16: 12.3, 32: 11.6, 128: 10.8}}
     seen = []
 
     def fake(shapes, dtype, device, rows):
         seen.append(rows)
         return lambda: [per_token[dtype][r] for r in rows]
 
-    monkeypatch.setattr(dc, "forward_gemm_timer", fake)
+    monkeypatch.setattr(dc, "decode_step_timer", fake)
     assert dc.auto_dtype(hf, torch.device("cpu"), max_num_seqs=64) == torch.float32
-    assert seen[-1] == (1, 4, 16, 32)
+    assert seen[-1] == (1, 4, 16, 32, 128)
     # an engine that never batches more than one request only has the one-row case
     assert dc.auto_dtype(hf, torch.device("cpu"), max_num_seqs=1) == torch.bfloat16
-    assert seen[-1] == (1,)
+    assert seen[-1] == (1, 128)
+    # where bf16 is faster everywhere (this EPYC's AVX-512-BF16 kernels) it is bf16
+    per_token[torch.bfloat16] = {1: 36.6, 4: 9.7, 16: 4.5, 32: 2.8, 128: 1.7}
+    assert dc.auto_dtype(hf, torch.device("cpu"), max_num_seqs=16) == torch.bfloat16
 
 
 def test_dtype_auto_real_measurement_runs_on_this_machine(monkeypatch, tmp_path):
     import engine.dtype_choice as dc
 
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
-          "vocab_size": 256, "num_hidden_layers": 2}
+    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+          "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 6,
+          "rms_norm_eps": 1e-5, "max_position_embeddings": 512}
     shapes = dc.model_gemm_shapes(hf)
     assert shapes["layer"][0] == [64, 3 * 64] and shapes["head"] == [64, 256]
     assert dc.auto_dtype(hf, torch.device("cpu")) in (torch.float32, torch.bfloat16)
+    times = dc.measure_dtypes(hf, torch.device("cpu"), rounds=1, rows=(1, 4, 128))
+    assert all(len(t) == 3 and min(t) > 0 for t in times.values())
 
 
 def test_cost_measurement_on_a_time_budget(qwen3_target, draft_dir):
@@ -190,7 +197,7 @@ def test_dtype_measurement_alternates_the_dtypes(monkeypatch):
         times = iter(slow_once[name])
         return lambda: order.append(name) or [next(times)] * len(rows)
 
-    monkeypatch.setattr(dc, "forward_gemm_timer", fake)
+    monkeypatch.setattr(dc, "decode_step_timer", fake)
     best = dc.measure_dtypes({}, torch.device("cpu"), rounds=3, rows=(1, 4))
     assert order == ["float32", "bfloat16"] * 3
     assert best == {"float32": [2.0, 2.0], "bfloat16": [1.0, 1.0]}
