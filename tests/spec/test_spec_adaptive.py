@@ -201,3 +201,36 @@ def test_dtype_measurement_alternates_the_dtypes(monkeypatch):
     best = dc.measure_dtypes({}, torch.device("cpu"), rounds=3, rows=(1, 4))
     assert order == ["float32", "bfloat16"] * 3
     assert best == {"float32": [2.0, 2.0], "bfloat16": [1.0, 1.0]}
+
+
+def test_cost_table_never_prices_more_rows_cheaper(monkeypatch):
+    """Timing noise only adds time: a cell measured slower than the same block with more rows
+    (or more tokens) is taken at the larger shape's time."""
+    import types
+
+    import engine.spec.cost as cost_mod
+    from engine.block_manager import BlockManager
+
+    clock = [0.0]
+    noisy_rows = 4  # this row count measures 3x slower than it is
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def execute(self, plan):
+            rows = len(plan.scheduled)
+            tokens = plan.num_tokens
+            t = 0.01 + 0.001 * tokens + (0.005 * rows if any(s.draft for s in plan.scheduled) else 0)
+            clock[0] += 3 * t if rows == noisy_rows else t
+
+    monkeypatch.setattr(cost_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = cost_mod.measure_step_costs(
+        Runner(), BlockManager(64, 16), max_rows=16, max_per_row=4, max_tokens=2048,
+        with_draft=True, vocab_size=100, lookahead=4, max_model_len=512, time_budget=1e9)
+    assert model.rows == [1, 4, 16]
+    for j in range(len(model.per_row)):
+        column = [line[j] for line in model.table]
+        assert column == sorted(column), column
+    assert model.table[1][0] == pytest.approx(model.table[2][0])  # 4 rows priced as 16
+    assert model.draft == sorted(model.draft)
+    assert model.table[0][0] == pytest.approx(0.011)  # the clean cells are untouched
