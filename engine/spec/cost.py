@@ -200,11 +200,12 @@ def measure_step_costs(
         draft: list[float] = []
         for rows in rows_ladder:
             if table and time.perf_counter() - start > time_budget:
-                # out of time: price rows x q tokens like one row of rows * q tokens (the
-                # matrix products dominate); online refinement corrects the rest
-                one_row = StepCostModel([1], per_row, table[:1], draft[:1])
-                table.append(one_row.step_times(1, np.array(per_row) * rows).tolist())
-                draft.append(draft[0] * rows)
+                # out of time: price the rows in proportion to the largest measured line (an
+                # over-estimate where batching is cheap: speculation then waits for online
+                # refinement, not the other way round)
+                scale = rows / rows_ladder[len(table) - 1]
+                table.append([t * scale for t in table[-1]])
+                draft.append(draft[-1] * scale)
                 continue
             shapes = [q for q in per_row if rows * q <= max_tokens] or per_row[:2]
             plans = [plan_for(rows, q, False) for q in shapes]
