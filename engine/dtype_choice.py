@@ -76,7 +76,8 @@ def request_score(times: list[float]) -> float:
 
 
 def model_gemm_shapes(hf: dict) -> dict:
-    """``(in, out)`` of the fused projections of one layer, the head, and the layer count."""
+    """``(in, out)`` of the fused projections of one layer, the head, and the layer count (the
+    model's part of the measurement's cache key)."""
     hidden = int(hf["hidden_size"])
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -94,10 +95,9 @@ def model_gemm_shapes(hf: dict) -> dict:
 def measure_dtypes(hf: dict, device: torch.device, names: tuple[str, ...] = DTYPES,
                    rounds: int = 3, rows: tuple[int, ...] = ROWS) -> dict[str, list[float]]:
     """Best seconds per dtype of a decode step per token, one figure per batch size in
-    ``rows``. The dtypes are
-    timed in alternating rounds, so a stretch of load on the machine hits both alike (timed
-    one after the other, a busy second once made bf16 look 5x slower than float32 here, and
-    that answer was cached)."""
+    ``rows``. The dtypes are timed in alternating rounds, so a stretch of load on the machine
+    hits both alike (timed one after the other, a busy second once made bf16 look 5x slower
+    than float32 here, and that answer was cached)."""
     timers = {name: decode_step_timer(hf, getattr(torch, name), device, rows)
               for name in names}
     best = {name: [math.inf] * len(rows) for name in names}
@@ -115,8 +115,10 @@ def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
     The step is real, not the matrix products alone: ``TIMED_LAYERS`` decoder layers of the
     model's own shapes (random weights) with their paged KV cache in the same dtype, attention
     over ``CONTEXT`` tokens per row and every elementwise op, scaled to the number of layers,
-    plus the LM head. Elementwise work decides too: with AVX2 kernels the bf16 matrix products of 4
-    rows took 29 ms where a whole 4-row bf16 step took 90 ms."""
+    plus the LM head. Elementwise work decides too: with AVX2 kernels the bf16 matrix products
+    of 4 rows took 29 ms where a whole 4-row bf16 step took 90 ms. The ``PREFILL`` entry is
+    timed the same way, as 128 one-token rows: the matrix products of a 128-token prefill
+    chunk, with decode-shaped attention."""
     from attention.backends.base import AttentionBatch
     from attention.backends.torch_backend import TorchBackend
     from attention.groups import LayerKVSpec, build_groups
