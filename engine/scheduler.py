@@ -164,9 +164,10 @@ class Scheduler:
         """
         appended: dict[str, list[int]] = {}
         ctl = self.controller
+        expected, produced, decoding = 0.0, 0, 0  # what speculation promised and delivered
         if ctl is not None:
             drafted = sum(1 for item in plan.scheduled if item.draft and item.samples)
-            ctl.observe_step(len(plan.scheduled), plan.num_tokens, drafted, result.elapsed)
+            verified = sum(len(item.spec_token_ids) for item in plan.scheduled)
         for item in plan.scheduled:
             req = item.request
             if req.is_finished or req.status != RequestStatus.RUNNING:
@@ -175,6 +176,9 @@ class Scheduler:
             accepted = result.num_accepted.get(rid, 0)
             req.num_computed_tokens += item.num_valid(accepted)
             if ctl is not None and rid in result.sampled:
+                expected += ctl.expected_tokens(req.spec_rates, len(item.spec_token_ids))
+                produced += 1 + accepted
+                decoding += item.num_new_tokens == 1 + len(item.spec_token_ids)
                 if req.spec_rates is None:
                     req.spec_rates = ctl.acceptance.new_request()
                 ctl.observe(req.spec_rates, len(item.spec_token_ids), accepted)
@@ -185,6 +189,13 @@ class Scheduler:
             appended[rid] = kept
             if not req.is_finished and kept:
                 req.spec_token_ids = list(result.drafts.get(rid, []))
+        if ctl is not None:
+            # only decode steps (no prefill chunk, not the last chunk of one, no vanished
+            # request) are what the controller chooses between
+            whole = decoding == len(plan.scheduled)
+            ctl.observe_step(len(plan.scheduled), plan.num_tokens, drafted, result.elapsed,
+                             verified=verified, expected=expected if whole else None,
+                             produced=produced if whole else None)
         return appended
 
     def _append(self, req: Request, tokens: list[int], logprobs: list | None) -> list[int]:

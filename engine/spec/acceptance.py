@@ -51,8 +51,8 @@ class AcceptanceModel:
     """Engine-wide and per-request conditional acceptance curves for ``K`` positions."""
 
     def __init__(self, k: int, seed_curve: list[float] | None = None, *,
-                 seed_weight: float = 16.0, global_decay: float = 0.995,
-                 request_weight: float = 3.0, request_decay: float = 0.85) -> None:
+                 seed_weight: float = 16.0, global_decay: float = 0.98,
+                 request_weight: float = 2.0, request_decay: float = 0.85) -> None:
         self.k = k
         curve = list(seed_curve or [])[:k]
         curve += [curve[-1] if curve else DEFAULT_PRIOR] * (k - len(curve))

@@ -5,7 +5,9 @@ draft's context update) with ``rows`` requests and ``tokens`` query tokens in al
 ``draft_time(rows)`` is what a DFlash block pass for ``rows`` requests adds. Both come from a
 grid measured at startup with the real runner on synthetic requests (rows 1, 4, 16, 64 and
 1, 2, 4, 8, ... tokens per row, within a few seconds), interpolated in between, cached per
-machine and model, and refined online from the timings of real steps.
+machine and model, and refined online from the timings of real steps: a plain step moves the
+level of its rows' whole line (every block size alike), a verifying step only the block-size
+columns it was priced from, a drafting step the draft curve.
 """
 
 from __future__ import annotations
@@ -82,13 +84,27 @@ class StepCostModel:
         return out
 
     # -- online refinement ---------------------------------------------------------------------
-    def _nearest(self, rows: int, q: float) -> tuple[int, int]:
-        i = min(range(len(self.rows)), key=lambda n: abs(math.log(self.rows[n] / rows)))
-        j = min(range(len(self.per_row)), key=lambda n: abs(self.per_row[n] - q))
-        return i, j
+    def row_bucket(self, rows: int) -> int:
+        """Index of the ladder's batch size nearest to ``rows`` (in ratio)."""
+        rows = max(1, rows)
+        return min(range(len(self.rows)), key=lambda n: abs(math.log(self.rows[n] / rows)))
+
+    @staticmethod
+    def _bracket(ladder: list[int], x: float) -> list[tuple[int, float]]:
+        """The ladder cells ``x`` is interpolated from, with their weights (summing to 1)."""
+        i = bisect.bisect_left(ladder, x)
+        if i == 0:
+            return [(0, 1.0)]
+        if i == len(ladder):
+            return [(len(ladder) - 1, 1.0)]
+        if ladder[i] == x:
+            return [(i, 1.0)]
+        w = (x - ladder[i - 1]) / (ladder[i] - ladder[i - 1])
+        return [(i - 1, 1.0 - w), (i, w)]
 
     def observe(self, rows: int, tokens: int, drafted_rows: int, seconds: float) -> None:
-        """Fold one real step's wall time into the nearest grid cell (or the draft curve)."""
+        """Fold one real step's wall time into the cells it was interpolated from (or into
+        the draft curve), each in proportion to its interpolation weight."""
         if rows <= 0 or seconds <= 0:
             return
         q = tokens / rows
@@ -96,14 +112,30 @@ class StepCostModel:
             return  # prefill-sized steps are outside the grid the controller decides on
         a = self.smoothing
         base = self.step_time(rows, tokens)
-        i, j = self._nearest(rows, q)
         if drafted_rows > 0:
-            d = self._nearest(drafted_rows, 1.0)[0]
+            d = self.row_bucket(drafted_rows)
             residual = min(max(0.0, seconds - base), 2 * self.draft[d] + base)
             self.draft[d] = (1 - a) * self.draft[d] + a * residual
-        elif base > 0:
-            # one step moves a cell by at most 2**a: a stall of the machine is not a trend
-            self.table[i][j] *= min(2.0, max(0.5, seconds / base)) ** a
+            return
+        if base <= 0:
+            return
+        # one step moves a cell by at most 2**a: a stall of the machine is not a trend
+        ratio = min(2.0, max(0.5, seconds / base))
+        if tokens == rows:
+            # a plain step: it measures the level of the whole line (the context lengths and
+            # the machine's state of the moment weigh on every block size alike); the
+            # extra cost of verification keeps its measured shape until verifying steps
+            # refine it. Moving the one-token column alone made plain decoding look slower
+            # next to the verification columns (GSM8K, 32 rows: 0.91x no speculation)
+            columns = [(j, 1.0) for j in range(len(self.per_row))]
+        else:
+            # a verifying step (or a prefill chunk) refines the block sizes, never the
+            # plain-decode baseline: its rows cost more than their share of the columns
+            columns = [(j, w) for j, w in self._bracket(self.per_row, q) if j > 0]
+            columns = columns or [(min(1, len(self.per_row) - 1), 1.0)]
+        for i, wi in self._bracket(self.rows, rows):
+            for j, wj in columns:
+                self.table[i][j] *= ratio ** (a * wi * wj)
 
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -20,7 +20,7 @@ from attention.groups import LayerKVSpec
 from attention.kv import LayerKV
 from engine.config import ConfigError, EngineConfig
 from engine.kv_pool import KVPool
-from engine.runner import slots_for
+from engine.runner import slot_list
 from engine.spec.base import ProposalItem
 from engine.request import Request
 from models.dflash import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDraftModel
@@ -129,39 +129,42 @@ class DFlashProposer:
             raise RuntimeError("DFlash needs the target's tapped hidden states")
         bs = self.block_size
         k = self.num_speculative_tokens
-        ctx_rows, ctx_pos, ctx_slots = [], [], []
+        # index lists are built in Python and turned into tensors once per step
+        ctx_rows: list[int] = []
+        ctx_pos: list[int] = []
+        ctx_slots: list[int] = []
         block_ids: list[int] = []
-        block_pos, block_slots, kv_lens, tables = [], [], [], []
+        block_pos: list[int] = []
+        block_slots: list[int] = []
+        kv_lens, tables = [], []
         mask_id = self.draft.config.mask_token_id
         proposing: list[Request] = []
         for it in items:
             req = it.item.request
             if it.num_valid > 0:
-                ctx_rows.append(torch.arange(it.row, it.row + it.num_valid))
-                ctx_pos.append(torch.arange(it.start, it.start + it.num_valid))
-                ctx_slots.append(slots_for(req.block_table, it.start, it.start + it.num_valid, bs))
+                ctx_rows.extend(range(it.row, it.row + it.num_valid))
+                ctx_pos.extend(range(it.start, it.start + it.num_valid))
+                ctx_slots.extend(slot_list(req.block_table, it.start, it.start + it.num_valid, bs))
             if not it.sampled or not it.wants_draft:
                 continue
             p = it.start + it.num_valid  # position of the newest (bonus) token
             proposing.append(req)
             block_ids.append(it.sampled[-1])
             block_ids.extend([mask_id if mask_id is not None else 0] * k)
-            block_pos.append(torch.arange(p, p + k + 1))
-            block_slots.append(slots_for(req.block_table, p, p + k + 1, bs))
+            block_pos.extend(range(p, p + k + 1))
+            block_slots.extend(slot_list(req.block_table, p, p + k + 1, bs))
             kv_lens.append(p + k + 1)
             tables.append(tuple(req.block_table))
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
         if ctx_rows:
-            rows = torch.cat(ctx_rows).to(self.device)
-            self.draft.write_context(
-                captured.index_select(0, rows),
-                torch.cat(ctx_pos).to(self.device),
-                torch.cat(ctx_slots).to(self.device),
-                self._kv,
-            )
+            self.draft.write_context(captured.index_select(0, index(ctx_rows)), index(ctx_pos),
+                                     index(ctx_slots), self._kv)
         if not proposing:
             return {}
         n = len(proposing)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        ids = index(block_ids)
         embeds = self.target.embed(ids)
         if self.draft.mask_embedding is not None:
             embeds = embeds.view(n, k + 1, -1).clone()
@@ -169,11 +172,11 @@ class DFlashProposer:
             embeds = embeds.view(n * (k + 1), -1)
         batch = AttentionBatch(
             q_lens=(k + 1,) * n, kv_lens=tuple(kv_lens), block_tables=tuple(tables),
-            slot_mapping=torch.cat(block_slots), causal=False, block_size=bs,
+            slot_mapping=torch.tensor(block_slots, dtype=torch.long), causal=False,
+            block_size=bs,
         )
         meta = self._backend.build_metadata(batch, self.device)
-        hidden = self.draft(embeds, torch.cat(block_pos).to(self.device), meta, self._kv,
-                            block_len=k + 1)
+        hidden = self.draft(embeds, index(block_pos), meta, self._kv, block_len=k + 1)
         return self.choose(proposing, hidden.view(n, k + 1, -1), ids.view(n, k + 1)[:, 0])
 
     def choose(

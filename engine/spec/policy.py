@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 5
+COST_CACHE_VERSION = 8
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,

@@ -72,6 +72,21 @@ def test_seeded_sampling_does_not_depend_on_the_choices(qwen3_target, draft_dir)
     assert fixed == scripted == plain
 
 
+def test_the_realized_gain_check_sees_decode_steps_only(qwen3_target, draft_b8_dir):
+    llm = _scripted(make_llm(qwen3_target, {"method": "dflash", "model": str(draft_b8_dir)}))
+    ctl = llm.engine.scheduler.controller
+    seen = []
+    ctl.observe_step = lambda rows, tokens, drafted, seconds, **kw: seen.append((rows, tokens, kw))
+    llm.generate(random_prompts([5, 17, 9]), greedy(12))
+    prefill = [s for s in seen if s[1] > s[0] + s[2]["verified"]]
+    decode = [s for s in seen if s[1] == s[0] + s[2]["verified"]]
+    assert prefill and all(s[2]["expected"] is None for s in prefill)
+    assert decode and all(s[2]["expected"] is not None for s in decode)
+    # every decode row produces its token plus the accepted drafts, never more than verified
+    assert all(rows <= kw["produced"] <= tokens for rows, tokens, kw in decode)
+    assert any(kw["verified"] for _, _, kw in decode)
+
+
 def test_step_costs_are_cached_and_a_corrupt_cache_is_ignored(qwen3_target, draft_dir,
                                                               monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))

@@ -9,6 +9,7 @@ import pytest
 from engine.spec.acceptance import AcceptanceModel, expected_gains, load_seed_curve
 from engine.spec.controller import Candidate, SpecController
 from engine.spec.cost import StepCostModel
+from engine.spec.realized import RealizedGain
 from engine.spec.stats import SpecDecodingStats
 
 K = 7
@@ -93,14 +94,58 @@ def test_probes_resume_drafting_with_backoff():
 def test_the_step_after_a_probe_verifies_a_draft_and_refined_costs_are_saved():
     ctl = controller(acceptance=0.01, per_token=0.02, draft=0.01, probe_interval=2)
     assert [d.k for d in ctl.plan(decode(2))] == [0, 0]
-    assert all(d.draft for d in ctl.plan(decode(2)))  # the probe
-    assert [d.k for d in ctl.plan(decode(2))] == [1, 1]  # its drafts, verified once
+    assert [d.draft for d in ctl.plan(decode(2))] == [True, False]  # the probe: one request
+    # its drafts, verified once (the other request holds none)
+    assert [d.k for d in ctl.plan([Candidate(None, K, K, 1), Candidate(None, 0, K, 1)])] == [1, 0]
     assert [d.k for d in ctl.plan(decode(2))] == [0, 0]
+    assert not any(d.draft for d in ctl.plan(decode(2)))  # probes now every 4 steps
+    assert [d.draft for d in ctl.plan(decode(2))] == [False, True]  # the next probe: in turn
     saved = []
     ctl.on_refined, ctl.refine_save_every = saved.append, 3
     for _ in range(7):
         ctl.observe_step(2, 2, 0, 0.05)
     assert saved == [ctl.cost, ctl.cost]
+
+
+def test_realized_gain_compares_speculative_with_plain_steps():
+    gain = RealizedGain(2, decay=0.9, min_weight=1.5)
+    assert gain.correction(0) == 1.0  # no evidence: trust the models
+    gain.observe(0, True, 2.0, 1.0, 0.1, 0.1)
+    assert gain.correction(0) == 1.0  # one step is not evidence
+    gain.observe(0, True, 2.0, 1.0, 0.1, 0.1)
+    assert gain.correction(0) == pytest.approx(0.5)  # half the promised tokens
+    # plain steps 20% slower than predicted: the same error hits speculative steps, only the
+    # relative shortfall counts
+    for _ in range(2):
+        gain.observe(0, False, 4.0, 4.0, 0.1, 0.125)
+    assert gain.correction(0) == pytest.approx(0.5 / 0.8)
+    for _ in range(40):  # speculation delivering more than promised is not extrapolated
+        gain.observe(0, True, 1.0, 3.0, 0.1, 0.1)
+    assert gain.correction(0) == 1.0
+    for _ in range(40):
+        gain.observe(0, True, 4.0, 1.0, 0.1, 0.2)
+    assert gain.correction(0) == gain.floor
+    assert gain.correction(1) == 1.0  # buckets are separate
+
+
+def test_speculation_that_does_not_deliver_stops():
+    ctl = controller(acceptance=0.7, per_token=0.002, draft=0.0)
+    assert ctl.plan(decode(1))[0].k == 4  # the models promise about 2x
+    predicted = ctl.cost.step_time(1, 5)
+    expected = ctl.expected_tokens(None, 4)
+    assert expected == pytest.approx(1 + 0.7 + 0.49 + 0.343 + 0.2401)
+    # every verification produces a single token in the predicted time, plain steps are as
+    # predicted: speculation lost, whatever the acceptance model still believes
+    for _ in range(20):
+        ctl.observe_step(1, 5, 0, predicted, verified=4, expected=expected, produced=1)
+        ctl.observe_step(1, 1, 0, ctl.cost.step_time(1, 1), expected=1.0, produced=1)
+    assert ctl.plan(decode(1))[0].k == 0
+    # steps without the token counts (prefill chunks in the batch) only refine the costs
+    ctl.observe_step(1, 5, 0, predicted, verified=4)
+    # delivering as promised again lifts the discount
+    for _ in range(200):
+        ctl.observe_step(1, 5, 0, predicted, verified=4, expected=expected, produced=expected)
+    assert ctl.plan(decode(1))[0].k == 4
 
 
 def test_fixed_k_mode_and_batch_limit():
@@ -140,6 +185,23 @@ def test_acceptance_observations_are_conditional_per_position():
     assert expected_gains([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
 
 
+def test_engine_wide_curve_follows_a_change_of_traffic():
+    # arithmetic traffic (every draft accepted), then chat (the first draft rejected): within
+    # a hundred verifications new requests start from the chat rate, not the arithmetic one
+    model = AcceptanceModel(K, [0.5] * K)
+    for _ in range(1000):
+        model.observe(model.new_request(), K, K)
+    assert model.global_rates()[0] > 0.85
+    for _ in range(100):
+        model.observe(model.new_request(), K, 0)
+    assert model.global_rates()[0] < 0.3
+    # and one request's own evidence outweighs the engine-wide curve after two verifications
+    state = model.new_request()
+    for _ in range(2):
+        model.observe(state, K, K)
+    assert model.rates(state)[0] > 0.6
+
+
 def test_seed_curve_file(tmp_path, caplog):
     assert load_seed_curve(tmp_path) is None
     (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.6, 0.4]}))
@@ -174,6 +236,25 @@ def test_cost_online_refinement_moves_toward_measurements():
     before = m.step_time(1, 1)
     m.observe(1, 500, 0, 5.0)  # a prefill-sized step is outside the grid: ignored
     assert m.step_time(1, 1) == before
+    # a few drafts verified in a 16-row step (q = 1.25) cost far more than predicted: the
+    # verification columns absorb it, the plain-decode baseline stays what plain steps measure
+    plain, two = m.step_time(16, 16), m.step_time(16, 32)
+    for _ in range(50):
+        m.observe(16, 20, 0, 2 * m.step_time(16, 20))
+    assert m.step_time(16, 16) == plain and m.step_time(16, 32) > 1.5 * two
+
+
+def test_cost_refinement_between_ladder_rows_moves_both_neighbours():
+    m = cost_model(per_token=0.0, draft=0.0)  # rows 1, 4, 16, 64
+    target = 1.2 * m.step_time(32, 32)
+    below, above = m.step_time(16, 16), m.step_time(64, 64)
+    for _ in range(300):
+        m.observe(32, 32, 0, target)
+    assert m.step_time(32, 32) == pytest.approx(target, rel=0.02)
+    # 32 rows lie a third of the way from 16 to 64: both cells share the correction, the
+    # nearer one moving more (only the nearest moved before, and a mis-fit there stayed)
+    assert m.step_time(16, 16) > below and m.step_time(64, 64) > above
+    assert m.step_time(16, 16) / below > m.step_time(64, 64) / above
 
 
 def test_cost_json_round_trip_and_validation():
