@@ -58,7 +58,8 @@ def server():
     cmd = [sys.executable, "-m", "server", "serve", MODEL, "--host", "127.0.0.1", "--port",
            str(port), "--max-model-len", "512", "--kv-cache-memory", "64MiB", "--dtype",
            "float32", "--speculative-config",
-           json.dumps({"method": "ngram", "num_speculative_tokens": NGRAM_K}),
+           # fixed K: the counters below need drafts, whatever the controller would choose
+           json.dumps({"method": "ngram", "num_speculative_tokens": NGRAM_K, "adaptive": False}),
            "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
            "--disable-log-stats"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
