@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from srvutil import MODEL, free_port, sse_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,3 +99,22 @@ def test_entrypoint_serves_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_caps_the_cpu_kernel_caches_unless_the_operator_set_them(monkeypatch) -> None:
+    from server import cli
+
+    env = {"LRU_CACHE_CAPACITY": "512"}
+    cli.cap_kernel_caches(env)
+    assert env == {"LRU_CACHE_CAPACITY": "512", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+
+    # `serve` applies it before anything else runs (the caches read it on first use)
+    class Applied(Exception):
+        pass
+
+    def applied(environ=None):
+        raise Applied
+
+    monkeypatch.setattr(cli, "cap_kernel_caches", applied)
+    with pytest.raises(Applied):
+        cli.main(["serve", MODEL])
