@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from server import __version__
@@ -31,7 +31,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 KERNEL_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 
-def cap_kernel_caches(environ: dict[str, str] | os._Environ = os.environ) -> None:
+def cap_kernel_caches(environ: MutableMapping[str, str] = os.environ) -> None:
     for name, value in KERNEL_CACHE_ENV.items():
         environ.setdefault(name, value)
 

@@ -174,8 +174,9 @@ class SpecController:
     def expected_tokens(self, state: DecayedRates | None, num_verified: int) -> float:
         """Tokens a sampling request is expected to produce verifying ``num_verified`` drafts
         (call before :meth:`observe` folds the outcome in)."""
-        gains = expected_gains(self.acceptance.rates(state))[:num_verified]
-        return 1.0 + sum(gains)
+        if num_verified <= 0:
+            return 1.0  # a plain decode (most rows of most steps): no curve to evaluate
+        return 1.0 + sum(expected_gains(self.acceptance.rates(state))[:num_verified])
 
     def observe_step(self, rows: int, tokens: int, drafted_rows: int, seconds: float, *,
                      verified: int = 0, expected: float | None = None,

@@ -155,6 +155,7 @@ class DFlashProposer:
             block_slots.extend(slot_list(req.block_table, p, p + k + 1, bs))
             kv_lens.append(p + k + 1)
             tables.append(tuple(req.block_table))
+
         def index(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
