@@ -34,7 +34,7 @@ from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV, SlotIndex, write_kv
 from models.hf_folder import ModelConfigError
 from models.layers import RMSNorm, RotaryEmbedding
-from models.llama import PACKED, DecoderLayer, LayerSpec, WeightLoadError, _copy
+from models.llama import PACKED, DecoderLayer, LayerSpec, StackShape, WeightLoadError, _copy
 from models.loader import config_errors, layer_fields
 
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
@@ -43,16 +43,7 @@ D2T_KEY = "d2t"
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
+class DFlashConfig(StackShape):
     attention_bias: bool
     block_size: int
     target_layer_ids: tuple[int, ...]
@@ -61,19 +52,10 @@ class DFlashConfig:
     draft_vocab_size: int | None = None
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
     def layer(self) -> LayerSpec:
         """Qwen3-style layers: q/k RMSNorm; ``attention_bias`` puts a bias on every projection."""
-        return LayerSpec(self.hidden_size, self.intermediate_size, self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.rms_norm_eps,
-                         qkv_bias=self.attention_bias, o_bias=self.attention_bias, qk_norm=True)
+        return self.layer_spec(qkv_bias=self.attention_bias, o_bias=self.attention_bias,
+                               qk_norm=True)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DFlashConfig:
@@ -206,9 +188,9 @@ class DFlashDraftModel(nn.Module):
     ) -> None:
         """Load reference-format weights; ``ignore`` names parameters a subclass loads itself."""
         params = dict(self.named_parameters())
-        cfg = self.config
-        sizes = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size),
-                 "v_proj": (cfg.q_size + cfg.kv_size, cfg.kv_size),
+        cfg, spec = self.config, self.config.layer
+        sizes = {"q_proj": (0, spec.q_size), "k_proj": (spec.q_size, spec.kv_size),
+                 "v_proj": (spec.q_size + spec.kv_size, spec.kv_size),
                  "gate_proj": (0, cfg.intermediate_size),
                  "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
         loaded: dict[str, int] = {}

@@ -70,7 +70,7 @@ def to_reference_state_dict(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
             continue
         t = tensor.detach().float().contiguous()
         if ".qkv_proj." in name:
-            q, k, v = t.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=0)
+            q, k, v = t.split([cfg.layer.q_size, cfg.layer.kv_size, cfg.layer.kv_size], dim=0)
             for part, value in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[name.replace("qkv_proj", part)] = value.contiguous()
         elif ".gate_up_proj." in name:

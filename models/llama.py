@@ -22,9 +22,10 @@ class WeightLoadError(ValueError):
 
 
 @dataclass(frozen=True)
-class DecoderConfig:
-    architecture: str
-    vocab_size: int
+class StackShape:
+    """What every Llama-family layer stack shares, target or draft: sizes, heads, norm epsilon
+    and RoPE (the fields ``models.loader.layer_fields`` parses)."""
+
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -34,24 +35,25 @@ class DecoderConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
+
+    def layer_spec(self, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> LayerSpec:
+        return LayerSpec(self.hidden_size, self.intermediate_size, self.num_heads,
+                         self.num_kv_heads, self.head_dim, self.rms_norm_eps,
+                         qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
+
+
+@dataclass(frozen=True)
+class DecoderConfig(StackShape):
+    architecture: str
+    vocab_size: int
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
     def layer(self) -> LayerSpec:
-        return LayerSpec(self.hidden_size, self.intermediate_size, self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.rms_norm_eps,
-                         qkv_bias=self.attention_bias, o_bias=False, qk_norm=self.qk_norm)
+        return self.layer_spec(qkv_bias=self.attention_bias, o_bias=False, qk_norm=self.qk_norm)
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,8 @@ def _num_shards(param_name: str) -> int:
 
 def _shard_range(cfg: DecoderConfig, hf_proj: str, shard: int) -> tuple[int, int]:
     if hf_proj in ("q_proj", "k_proj", "v_proj"):
-        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        spec = cfg.layer
+        sizes = [spec.q_size, spec.kv_size, spec.kv_size]
     else:
         sizes = [cfg.intermediate_size, cfg.intermediate_size]
     return sum(sizes[:shard]), sizes[shard]
