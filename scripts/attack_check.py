@@ -13,6 +13,13 @@ overload burst above --limit-concurrency and --max-waiting-requests, slow client
 unfinished headers, and a mixed soak. Every answer is recorded; afterwards /metrics must show
 the KV cache empty and nothing running, and the server's RSS is sampled (--pid).
 
+Phases on request (``--phases``): ``timeout`` (a server started with ``--request-timeout S``,
+passed here too: long requests alone and in a crowd must end as 503/504 JSON or an SSE error
+event, and ``specserve:request_timeouts_total`` must count each), ``seeded`` (seeded sampling
+must give the same text alone and amid 24 streams) and ``sigterm`` (last: SIGTERM to --pid
+while streams run; every stream must end with ``[DONE]`` after its finish reason or a 503
+error event, newcomers get a JSON 503 or a refused connection, and the process must exit).
+
 Exit status 1 on any 5xx other than a 503 with a JSON body and Retry-After, any connection
 reset or dropped response, any error body that is not OpenAI-style JSON, any status outside
 what a case expects, any timeout, lost output or leaked KV block.
@@ -23,7 +30,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import signal
 import sys
 import time
 from collections import Counter, defaultdict
@@ -108,6 +117,14 @@ def parse_sse(body: str) -> tuple[list[Any], bool]:
     return events, bool(events) and events[-1] == "[DONE]"
 
 
+def sse_outcome(events: list[Any], done: bool) -> tuple[list[str], list[Any]]:
+    """(finish reasons, error codes) of a parsed SSE body, for checking how a stream ended."""
+    finished = [c.get("finish_reason") for e in events if isinstance(e, dict)
+                for c in e.get("choices", []) if c.get("finish_reason")]
+    codes = [e["error"].get("code") for e in events if isinstance(e, dict) and "error" in e]
+    return finished, codes
+
+
 # ---------------------------------------------------------------- recording
 
 @dataclass
@@ -130,7 +147,8 @@ class Tally:
             if status >= 400 and body is not None else None
         if bad is not None:
             self.problem(phase, "non_json_error", f"{what}: {status} {bad}: {body[:120]!r}")
-        if status >= 500 and not is_intended_503(status, headers, bad):
+        expected_5xx = expect is not None and status in expect and bad is None
+        if status >= 500 and not expected_5xx and not is_intended_503(status, headers, bad):
             self.problem(phase, "unexpected_5xx", f"{what}: {status} {body[:160]!r}")
         if status == 503 and is_intended_503(status, headers, bad):
             self.counts[phase]["intended_503"] += 1
@@ -149,7 +167,8 @@ class Tally:
         for c in self.counts.values():
             total.update(c)
         return {k: total[k] for k in ("unexpected_5xx", "reset", "timeout", "non_json_error",
-                                      "wrong_status", "lost_output", "kv_leak") if total[k]}
+                                      "wrong_status", "lost_output", "kv_leak",
+                                      "nondeterministic", "miscounted", "no_exit") if total[k]}
 
 
 # ---------------------------------------------------------------- the attack
@@ -416,9 +435,7 @@ class Attack:
             return
         self.tally.record(phase, what, 200, dict(r.headers), None, {200})
         events, done = parse_sse(text)
-        errors = [e for e in events if isinstance(e, dict) and "error" in e]
-        finished = [c.get("finish_reason") for e in events if isinstance(e, dict)
-                    for c in e.get("choices", []) if c.get("finish_reason")]
+        finished, errors = sse_outcome(events, done)
         if not done or errors or finished not in (["length"], ["stop"]):
             self.tally.problem(phase, "lost_output",
                                f"{what}: done={done} errors={errors[:1]} finish={finished}")
@@ -547,6 +564,195 @@ class Attack:
                                               for _ in range(self.args.soak_concurrency)))
         await self.check_idle("soak")
 
+    # -- phase 7: --request-timeout (a server started with it; --request-timeout here too)
+    async def long_stream(self, http: httpx.AsyncClient, phase: str, what: str,
+                          body: dict[str, Any]) -> tuple[list[str], list[Any]] | None:
+        """Stream ``body``; (finish reasons, error codes) of a 200 that ended with [DONE],
+        None (after recording why) otherwise."""
+        try:
+            async with http.stream("POST", C if "prompt" in body else CHAT,
+                                   json={**body, "stream": True}) as r:
+                text = (await r.aread()).decode()
+        except httpx.HTTPError as exc:
+            self.tally.transport(phase, what, exc)
+            return None
+        self.tally.record(phase, what, r.status_code, dict(r.headers),
+                          None if r.status_code == 200 else text.encode(), {200})
+        if r.status_code != 200:
+            return None
+        events, done = parse_sse(text)
+        if not done:
+            self.tally.problem(phase, "lost_output", f"{what}: no [DONE]: {text[-160:]!r}")
+            return None
+        return sse_outcome(events, done)
+
+    async def phase_timeout(self) -> None:
+        limit = self.args.request_timeout
+        if not limit:
+            raise SystemExit("the timeout phase needs --request-timeout (the server's value)")
+        before = (await self.metrics()).get("specserve:request_timeouts_total", 0.0)
+        long = {"model": self.model, "prompt": "Tell a very long story.", "ignore_eos": True,
+                "max_tokens": 4000}
+        answered = 0  # requests the server should count as timed out
+        async with self.client() as http:
+            r = await self.send(http, "timeout", "long, alone", "POST", C, json=long,
+                                expect={504})  # a 5xx a case expects must still be JSON
+            answered += r is not None and r.status_code in (503, 504)
+            out = await self.long_stream(http, "timeout", "long stream, alone", long)
+            if out is not None:
+                finished, codes = out
+                answered += 1
+                if finished or codes != [504]:
+                    self.tally.problem("timeout", "lost_output",
+                                       f"stream past the timeout: finish={finished} "
+                                       f"errors={codes}")
+            # a crowd above max_num_seqs: some time out waiting (503), some generating (504)
+            # as many as run at once plus a full queue: the queued ones time out waiting
+            crowd = self.args.max_num_seqs + (self.args.max_waiting_requests or 16)
+            results = await asyncio.gather(*(
+                self.send(http, "timeout", f"crowd {i}", "POST", C, expect={504},
+                          json={**long, "prompt": f"Story {i}: it began"})
+                for i in range(crowd)))
+            for r in results:
+                if r is None:
+                    continue
+                waited = r.status_code == 503 and "timed out" in r.text
+                kind = "503_timed_out_waiting" if waited else str(r.status_code)
+                self.tally.counts["timeout"][f"crowd_{kind}"] += 1
+                answered += r.status_code == 504 or waited
+            # a request that fits in the timeout still succeeds
+            await self.send(http, "timeout", "short", "POST", C, expect={200},
+                            json={**long, "max_tokens": 2})
+        after = (await self.metrics()).get("specserve:request_timeouts_total", 0.0)
+        self.tally.counts["timeout"]["counted"] = int(after - before)
+        if int(after - before) != answered:
+            self.tally.problem("timeout", "miscounted",
+                               f"{answered} requests timed out, the counter moved {after - before}")
+        await self.check_idle("timeout")
+
+    # -- phase 8: seeded sampling is the same alone and under load
+    def seeded_bodies(self) -> list[tuple[str, str, dict[str, Any]]]:
+        m, out = self.model, []
+        for seed in (1, 22, 333):
+            out.append((f"completion seed {seed}", C, {
+                "model": m, "prompt": f"A list of {seed % 7 + 3} fruits:", "max_tokens": 24,
+                "temperature": 0.9, "top_p": 0.95, "seed": seed}))
+            out.append((f"chat n=2 seed {seed}", CHAT, {
+                "model": m, "max_tokens": 24, "temperature": 1.0, "top_k": 50, "n": 2,
+                "seed": seed, "messages": [{"role": "user", "content": "Name a colour."}]}))
+        return out
+
+    async def seeded_texts(self, http: httpx.AsyncClient, what: str, path: str,
+                           body: dict[str, Any]) -> list[str] | None:
+        for _ in range(20):  # a full queue (503 + Retry-After) is not the question here
+            r = await self.send(http, "seeded", what, "POST", path, json=body, expect={200})
+            if r is None or r.status_code != 503:
+                break
+            await asyncio.sleep(0.5)
+        if r is None or r.status_code != 200:
+            return None
+        return [c.get("text", c.get("message", {}).get("content")) for c in r.json()["choices"]]
+
+    async def phase_seeded(self) -> None:
+        bodies = self.seeded_bodies()
+        async with self.client() as http:
+            alone = [await self.seeded_texts(http, w, p, b) for w, p, b in bodies]
+            for round_ in range(2):
+                load = [self.one_stream(http, "seeded", 1000 + 32 * round_ + i, False, 64)
+                        for i in range(24)]
+                order = self.rng.sample(range(len(bodies)), len(bodies))
+
+                async def seeded_under_load() -> list[list[str] | None]:
+                    await asyncio.sleep(1.0)  # once the streams are running
+                    return await asyncio.gather(*(self.seeded_texts(http, *bodies[k])
+                                                  for k in order))
+
+                results, *_ = await asyncio.gather(seeded_under_load(), *load)
+                for k, texts in zip(order, results):
+                    if texts is None or alone[k] is None:
+                        continue
+                    self.tally.counts["seeded"]["compared"] += 1
+                    if texts != alone[k]:
+                        self.tally.problem("seeded", "nondeterministic",
+                                           f"{bodies[k][0]} (round {round_}): alone "
+                                           f"{alone[k]!r} under load {texts!r}")
+        await self.check_idle("seeded")
+
+    # -- phase 9 (last): SIGTERM while streams run (--pid; the server exits)
+    async def phase_sigterm(self) -> None:
+        if not self.args.pid:
+            raise SystemExit("the sigterm phase needs --pid")
+        phase, pid = "sigterm", self.args.pid
+        started = asyncio.Event()
+        heard = 0
+        n_streams = 12
+
+        async def stream(i: int) -> None:
+            nonlocal heard
+            body = {"model": self.model, "prompt": f"Tale {i}:", "max_tokens": 40 + 40 * i,
+                    "ignore_eos": True, "stream": True}  # some finish within a drain
+            what, text, counted = f"stream {i}", "", False
+            try:
+                async with http.stream("POST", C, json=body) as r:
+                    async for chunk in r.aiter_text():
+                        text += chunk
+                        if not counted and text.count("\n\n") >= 2:
+                            counted, heard = True, heard + 1
+                            if heard == n_streams:
+                                started.set()
+            except httpx.HTTPError as exc:
+                self.tally.transport(phase, what, exc)
+                return
+            self.tally.record(phase, what, r.status_code, dict(r.headers),
+                              None if r.status_code == 200 else text.encode(), {200})
+            if r.status_code != 200:
+                return
+            finished, codes = sse_outcome(*parse_sse(text))
+            if not parse_sse(text)[1] or not (finished == ["length"] or codes == [503]):
+                self.tally.problem(phase, "lost_output",
+                                   f"{what}: finish={finished} errors={codes} "
+                                   f"end={text[-120:]!r}")
+            self.tally.counts[phase]["finished" if finished else "aborted_503"] += 1
+
+        async def whole(i: int) -> None:
+            body = {"model": self.model, "prompt": f"Fable {i}:", "max_tokens": 400,
+                    "ignore_eos": True}
+            await self.send(http, phase, f"non-stream {i}", "POST", C, json=body,
+                            expect={200, 503})  # finished, or aborted by the drain
+
+        async def newcomer(i: int) -> None:
+            try:
+                r = await http.post(C, json={"model": self.model, "prompt": "late",
+                                             "max_tokens": 2})
+            except httpx.ConnectError:  # the listener is closed: refused, not a reset
+                self.tally.counts[phase]["refused_after_close"] += 1
+                return
+            except httpx.HTTPError as exc:
+                self.tally.transport(phase, f"newcomer {i}", exc)
+                return
+            self.tally.record(phase, f"newcomer {i}", r.status_code, dict(r.headers),
+                              r.content, {503})
+
+        async def terminate() -> None:
+            try:
+                await asyncio.wait_for(started.wait(), 60)
+            except asyncio.TimeoutError:
+                self.tally.problem(phase, "timeout", f"only {heard} streams started in 60 s")
+            os.kill(pid, signal.SIGTERM)
+            t = time.monotonic()
+            await asyncio.sleep(0.2)
+            await asyncio.gather(*(newcomer(i) for i in range(4)))
+            while os.path.exists(f"/proc/{pid}") and time.monotonic() - t < self.args.exit_wait:
+                await asyncio.sleep(0.1)
+            if os.path.exists(f"/proc/{pid}"):
+                self.tally.problem(phase, "no_exit",
+                                   f"pid {pid} still there {self.args.exit_wait} s after SIGTERM")
+            self.tally.counts[phase]["exit_ms"] = int(1000 * (time.monotonic() - t))
+
+        async with self.client() as http:
+            await asyncio.gather(terminate(), *(stream(i) for i in range(n_streams)),
+                                 *(whole(i) for i in range(4)))
+
     # -- checks
     async def metrics(self) -> dict[str, float]:
         async with httpx.AsyncClient(base_url=self.base, headers=self.auth, timeout=30) as http:
@@ -569,20 +775,27 @@ class Attack:
             await asyncio.sleep(0.2)
 
     async def run(self) -> int:
+        names = self.args.phases.split(",")
+        unknown = [n for n in names if not hasattr(self, f"phase_{n}")]
+        if unknown:
+            raise SystemExit(f"unknown phases {unknown}")
+        if "sigterm" in names[:-1]:
+            raise SystemExit("sigterm stops the server: it must be the last phase")
         async with self.client() as http:
             r = await http.get("/v1/models")
             r.raise_for_status()
             self.model = r.json()["data"][0]["id"]
         self.sample_rss("start")
-        phases = {"malformed": self.phase_malformed, "auth": self.phase_auth,
-                  "streams": self.phase_streams, "burst": self.phase_burst,
-                  "slow": self.phase_slow, "soak": self.phase_soak}
-        for name in self.args.phases.split(","):
+        for name in names:
             t = time.monotonic()
-            await phases[name]()
+            if name == "sigterm":
+                self.sample_rss("before sigterm")
+            await getattr(self, f"phase_{name}")()
             self.tally.counts[name]["seconds"] = round(time.monotonic() - t)
-            self.sample_rss(f"after {name}")
-        await self.check_idle("final")
+            if name != "sigterm":
+                self.sample_rss(f"after {name}")
+        if names[-1] != "sigterm":
+            await self.check_idle("final")
         return self.report()
 
     def report(self) -> int:
@@ -622,7 +835,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-concurrency", type=int, default=16)
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--phases", default="malformed,auth,streams,burst,slow,soak")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="the server's --request-timeout (for the timeout phase)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="the server's --max-num-seqs (sizes the timeout phase's crowd)")
+    p.add_argument("--exit-wait", type=float, default=60.0,
+                   help="seconds the server may take to exit after SIGTERM (sigterm phase)")
+    p.add_argument("--phases", default="malformed,auth,streams,burst,slow,soak",
+                   help="comma-separated, in order; also timeout (a server with "
+                        "--request-timeout), seeded, and sigterm (last: stops the server)")
     return p
 
 

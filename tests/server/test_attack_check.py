@@ -67,3 +67,32 @@ def test_parsers(ac: ModuleType) -> None:
     events, done = ac.parse_sse('data: {"a": 1}\n\ndata: [DONE]\n\n')
     assert events == [{"a": 1}, "[DONE]"] and done
     assert ac.parse_sse('data: {"a": 1}\n\n') == ([{"a": 1}], False)
+
+
+def test_a_5xx_a_case_expects_must_still_be_json(ac: ModuleType) -> None:
+    t = ac.Tally()
+    t.record("timeout", "504", 504, {"content-type": "application/json"}, err(504), {504})
+    assert t.failures() == {}
+    t.record("timeout", "504 text", 504, {"content-type": "text/plain"}, b"Gateway Timeout",
+             {504})
+    t.record("timeout", "504 unasked", 504, {"content-type": "application/json"}, err(504),
+             {200})
+    assert t.failures() == {"non_json_error": 1, "unexpected_5xx": 2, "wrong_status": 1}
+
+
+def test_sse_outcome(ac: ModuleType) -> None:
+    finished = ('data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+                'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\n'
+                'data: [DONE]\n\n')
+    assert ac.sse_outcome(*ac.parse_sse(finished)) == (["length"], [])
+    aborted = ('data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+               'data: {"error": {"message": "m", "type": "T", "param": null, "code": 503}}\n\n'
+               'data: [DONE]\n\n')
+    assert ac.sse_outcome(*ac.parse_sse(aborted)) == ([], [503])
+
+
+def test_sigterm_must_be_the_last_phase(ac: ModuleType) -> None:
+    with pytest.raises(SystemExit, match="last phase"):
+        ac.main(["--port", "1", "--phases", "sigterm,soak"])
+    with pytest.raises(SystemExit, match="unknown phases"):
+        ac.main(["--port", "1", "--phases", "soak,nap"])
