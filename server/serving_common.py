@@ -47,6 +47,7 @@ from server.sampling import Limits
 from server.tokens import TokenizerService
 
 log = logging.getLogger("specserve.server")
+MIN_LOGPROB = -9999.0  # JSON has no -Infinity: the floor of every logprob we send
 
 
 @dataclass(frozen=True)

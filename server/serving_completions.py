@@ -14,6 +14,7 @@ from server.http_utils import parse_body
 from server.protocol import CompletionRequest, Prompt
 from server.sampling import build_params
 from server.serving_common import (
+    MIN_LOGPROB,
     ChoiceState,
     PreparedPrompt,
     ServingContext,
@@ -24,7 +25,6 @@ from server.serving_common import (
     usage,
 )
 
-MIN_LOGPROB = -9999.0  # JSON has no -Infinity
 MAX_CHOICES = 256  # engine requests one HTTP request may create
 
 
