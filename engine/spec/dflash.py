@@ -29,6 +29,45 @@ from models.hf_folder import iter_safetensors, load_hf_config
 from models.llama import LlamaForCausalLM
 
 
+# Context K/V waits (at most this many tokens) while no request drafts: the draft's pages are
+# read only by a proposal pass, which writes everything pending first, and one batched write
+# costs about what a single step's small one does.
+MAX_PENDING_CONTEXT_TOKENS = 2048
+
+
+class PendingContext:
+    """Draft context K/V not yet written: tapped target states with their positions and slots,
+    in the order the steps produced them."""
+
+    def __init__(self) -> None:
+        self._hidden: list[torch.Tensor] = []
+        self._pos: list[int] = []
+        self._slots: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._slots)
+
+    def add(self, hidden: torch.Tensor, pos: list[int], slots: list[int]) -> None:
+        self._hidden.append(hidden)
+        self._pos.extend(pos)
+        self._slots.extend(slots)
+
+    def take(self) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Everything pending, emptied; when a slot was written twice (a finished request's
+        page reused while writes waited) only its newest write is kept, so the batched write
+        ends as the step-by-step writes would have."""
+        hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
+        pos, slots = self._pos, self._slots
+        self._hidden, self._pos, self._slots = [], [], []
+        newest = {slot: i for i, slot in enumerate(slots)}
+        if len(newest) < len(slots):
+            keep = sorted(newest.values())
+            hidden = hidden.index_select(0, torch.tensor(keep, device=hidden.device))
+            pos, slots = [pos[i] for i in keep], [slots[i] for i in keep]
+        return hidden, pos, slots
+
+
 class DFlashProposer:
     def __init__(
         self,
@@ -50,6 +89,8 @@ class DFlashProposer:
         self.layer_names = [f"draft.{name}" for name in draft.layer_names]
         self._kv: list[LayerKV] | None = None
         self._backend: AttentionBackend | None = None
+        self._pending = PendingContext()
+        self.max_pending_context_tokens = MAX_PENDING_CONTEXT_TOKENS
         # The rows of the target's LM head the draft scores (all of them, or its reduced
         # vocabulary) and their target ids; selected once here, not per step.
         self._vocab_ids = draft.draft_token_ids
@@ -160,8 +201,9 @@ class DFlashProposer:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         if ctx_rows:
-            self.draft.write_context(captured.index_select(0, index(ctx_rows)), index(ctx_pos),
-                                     index(ctx_slots), self._kv)
+            self._pending.add(captured.index_select(0, index(ctx_rows)), ctx_pos, ctx_slots)
+        if proposing or self._pending.num_tokens >= self.max_pending_context_tokens:
+            self._write_pending_context()
         if not proposing:
             return {}
         n = len(proposing)
@@ -179,6 +221,12 @@ class DFlashProposer:
         meta = self._backend.build_metadata(batch, self.device)
         hidden = self.draft(embeds, index(block_pos), meta, self._kv, block_len=k + 1)
         return self.choose(proposing, hidden.view(n, k + 1, -1), ids.view(n, k + 1)[:, 0])
+
+    def _write_pending_context(self) -> None:
+        if self._pending.num_tokens:
+            hidden, pos, slots = self._pending.take()
+            self.draft.write_context(hidden, torch.tensor(pos, device=self.device),
+                                     torch.tensor(slots, device=self.device), self._kv)
 
     def choose(
         self, reqs: list[Request], hidden: torch.Tensor, anchors: torch.Tensor
