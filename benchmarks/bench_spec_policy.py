@@ -7,8 +7,9 @@ sharing a process, they slowed each other by up to 5%). For each prompt set and 
 run the same prompts, taking turns batch by batch in a rotating order while the others wait (a
 slow minute of a shared machine then hits every engine alike; one engine after the other,
 ratios moved by 10-20%); greedy outputs must agree token for token (the script counts
-mismatches). Reports output tok/s, the ratio to no
-speculation, the mean acceptance length of the verified drafts and, for the adaptive engine,
+mismatches). Reports output tok/s over all batches, the ratio to no speculation as the median
+of the per-batch ratios with their range (each batch ran the same prompts on both engines within
+seconds; on a shared 2-vCPU machine, whole minutes run about 10% slower now and then), the mean acceptance length of the verified drafts and, for the adaptive engine,
 how often each k = 0..K was verified. Set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to
 run torch's kernels as on a CPU without AVX-512.
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import multiprocessing as mp
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -134,7 +136,7 @@ def measure(engines: dict[str, EngineProcess], prompts: list[str], concurrency: 
     that a slow minute of the machine hits them all alike instead of whichever engine ran
     then."""
     names = list(engines)
-    acc = {n: {"tokens": 0, "seconds": 0.0, "outputs": []} for n in names}
+    acc = {n: {"tokens": 0, "seconds": 0.0, "outputs": [], "batch_tok_s": []} for n in names}
     before = {n: e.call("stats") for n, e in engines.items()}
     batches = [prompts[i:i + concurrency] for i in range(0, len(prompts), concurrency)]
     for b, batch in enumerate(batches):
@@ -142,6 +144,7 @@ def measure(engines: dict[str, EngineProcess], prompts: list[str], concurrency: 
             seconds, outs = engines[n].call("generate", batch, params)
             acc[n]["seconds"] += seconds
             acc[n]["tokens"] += sum(len(o) for o in outs)
+            acc[n]["batch_tok_s"].append(sum(len(o) for o in outs) / seconds)
             acc[n]["outputs"] += outs
     res = {}
     for n, engine in engines.items():
@@ -152,8 +155,14 @@ def measure(engines: dict[str, EngineProcess], prompts: list[str], concurrency: 
         res[n] = {"tok_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
                   "seconds": a["seconds"],
                   "acceptance_length": 1 + accepted / drafts if drafts else None,
-                  "steps_by_k": by_k, "outputs": a["outputs"]}
+                  "steps_by_k": by_k, "outputs": a["outputs"], "batch_tok_s": a["batch_tok_s"]}
     return res
+
+
+def paired_ratios(res: dict[str, dict], name: str, base: str = "none") -> list[float]:
+    """``name``'s speed over ``base``'s, batch by batch: each pair ran the same prompts within
+    seconds of each other, so a noisy minute of the machine moves one pair, not the median."""
+    return [a / b for a, b in zip(res[name]["batch_tok_s"], res[base]["batch_tok_s"])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,7 +228,12 @@ def main(argv: list[str] | None = None) -> None:
                 a = res[s]["acceptance_length"]
                 return f"{a:.2f}" if a else "-"
 
-            cells = [f"{res[s]['tok_s']:.1f} ({res[s]['tok_s'] / none:.2f}x)" for s in spec_systems]
+            def cell(s: str) -> str:
+                r = paired_ratios(res, s)
+                spread = f", {min(r):.2f}-{max(r):.2f}" if len(r) > 1 else ""
+                return f"{res[s]['tok_s']:.1f} ({statistics.median(r):.2f}x{spread})"
+
+            cells = [cell(s) for s in spec_systems]
             print(f"| {set_name} | {c} | {none:.1f} | " + " | ".join(cells) + " | "
                   + " / ".join(acc(s) for s in spec_systems) + " | "
                   + "/".join(map(str, res["adaptive"]["steps_by_k"])) + f" | {mismatches} |",
