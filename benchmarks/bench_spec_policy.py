@@ -8,9 +8,10 @@ run the same prompts, taking turns batch by batch in a rotating order while the 
 slow minute of a shared machine then hits every engine alike; one engine after the other,
 ratios moved by 10-20%); greedy outputs must agree token for token (the script counts
 mismatches). Reports output tok/s over all batches, the ratio to no speculation as the median
-of the per-batch ratios with their range (each batch ran the same prompts on both engines within
-seconds; on a shared 2-vCPU machine, whole minutes run about 10% slower now and then), the mean acceptance length of the verified drafts and, for the adaptive engine,
-how often each k = 0..K was verified. Set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to
+of the per-batch ratios with their range (each batch ran the same prompts on both engines
+within seconds; on a shared 2-vCPU machine, whole minutes run about 10% slower now and then),
+the mean acceptance length of the verified drafts and, for the adaptive engine, how often each
+k = 0..K was verified. Set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to
 run torch's kernels as on a CPU without AVX-512.
 
 Sets: ``gsm8k`` (GSM8K test), ``chat`` (the 50 held-out self-instruct prompts plus
@@ -72,7 +73,7 @@ class EngineProcess:
     """One engine in a process of its own, as a server runs it, driven over a pipe. Engines
     sharing one process slowed each other: a speculative engine that never drafted ran at
     0.95x no speculation next to the adaptive engine and 1.00x without it (GSM8K, 32
-    requests); in processes of their own the ratio holds whatever else was measured."""
+    requests)."""
 
     def __init__(self, spec: dict | None, common: dict) -> None:
         ctx = mp.get_context("spawn")
@@ -142,9 +143,10 @@ def measure(engines: dict[str, EngineProcess], prompts: list[str], concurrency: 
     for b, batch in enumerate(batches):
         for n in names[b % len(names):] + names[:b % len(names)]:
             seconds, outs = engines[n].call("generate", batch, params)
+            tokens = sum(len(o) for o in outs)
             acc[n]["seconds"] += seconds
-            acc[n]["tokens"] += sum(len(o) for o in outs)
-            acc[n]["batch_tok_s"].append(sum(len(o) for o in outs) / seconds)
+            acc[n]["tokens"] += tokens
+            acc[n]["batch_tok_s"].append(tokens / seconds)
             acc[n]["outputs"] += outs
     res = {}
     for n, engine in engines.items():

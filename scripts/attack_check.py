@@ -117,7 +117,7 @@ def parse_sse(body: str) -> tuple[list[Any], bool]:
     return events, bool(events) and events[-1] == "[DONE]"
 
 
-def sse_outcome(events: list[Any], done: bool) -> tuple[list[str], list[Any]]:
+def sse_outcome(events: list[Any]) -> tuple[list[str], list[Any]]:
     """(finish reasons, error codes) of a parsed SSE body, for checking how a stream ended."""
     finished = [c.get("finish_reason") for e in events if isinstance(e, dict)
                 for c in e.get("choices", []) if c.get("finish_reason")]
@@ -435,7 +435,7 @@ class Attack:
             return
         self.tally.record(phase, what, 200, dict(r.headers), None, {200})
         events, done = parse_sse(text)
-        finished, errors = sse_outcome(events, done)
+        finished, errors = sse_outcome(events)
         if not done or errors or finished not in (["length"], ["stop"]):
             self.tally.problem(phase, "lost_output",
                                f"{what}: done={done} errors={errors[:1]} finish={finished}")
@@ -584,7 +584,7 @@ class Attack:
         if not done:
             self.tally.problem(phase, "lost_output", f"{what}: no [DONE]: {text[-160:]!r}")
             return None
-        return sse_outcome(events, done)
+        return sse_outcome(events)
 
     async def phase_timeout(self) -> None:
         limit = self.args.request_timeout
@@ -707,8 +707,9 @@ class Attack:
                               None if r.status_code == 200 else text.encode(), {200})
             if r.status_code != 200:
                 return
-            finished, codes = sse_outcome(*parse_sse(text))
-            if not parse_sse(text)[1] or not (finished == ["length"] or codes == [503]):
+            events, done = parse_sse(text)
+            finished, codes = sse_outcome(events)
+            if not done or not (finished == ["length"] or codes == [503]):
                 self.tally.problem(phase, "lost_output",
                                    f"{what}: finish={finished} errors={codes} "
                                    f"end={text[-120:]!r}")

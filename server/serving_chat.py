@@ -13,8 +13,10 @@ from server.errors import BadRequestError
 from server.http_utils import parse_body
 from server.protocol import ChatCompletionRequest
 from server.sampling import build_params
-from server.serving_common import MIN_LOGPROB, ChoiceState, PreparedPrompt, ServingContext
-from server.serving_common import StreamFormat, make_choices, new_id, respond, usage
+from server.serving_common import (
+    MIN_LOGPROB, ChoiceState, PreparedPrompt, ServingContext, StreamFormat, make_choices, new_id,
+    respond, usage,
+)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request,

@@ -1,11 +1,12 @@
 """DFlash proposer: one non-causal draft pass per step proposes K tokens per request.
 
 After the target pass, the tapped target states of every accepted position become draft
-context K/V (written into the draft group's pages at those positions); then the query block
-``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to look-ahead slots and attends
-to the whole context plus the block. The draft is greedy; verification stays exact. A DFlash2
-draft (detected from its config.json) is served by ``engine/spec/dflash2.py``: the same pass,
-then its candidate selector chooses the tokens.
+context K/V (written into the draft group's pages at those positions; while no request
+drafts, the writes wait and land in one batch before the next proposal reads the pages);
+then the query block ``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to
+look-ahead slots and attends to the whole context plus the block. The draft is greedy;
+verification stays exact. A DFlash2 draft (detected from its config.json) is served by
+``engine/spec/dflash2.py``: the same pass, then its candidate selector chooses the tokens.
 """
 
 from __future__ import annotations
@@ -197,17 +198,14 @@ class DFlashProposer:
             kv_lens.append(p + k + 1)
             tables.append(tuple(req.block_table))
 
-        def index(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
         if ctx_rows:
-            self._pending.add(captured.index_select(0, index(ctx_rows)), ctx_pos, ctx_slots)
+            self._pending.add(captured.index_select(0, self._index(ctx_rows)), ctx_pos, ctx_slots)
         if proposing or self._pending.num_tokens >= self.max_pending_context_tokens:
             self._write_pending_context()
         if not proposing:
             return {}
         n = len(proposing)
-        ids = index(block_ids)
+        ids = self._index(block_ids)
         embeds = self.target.embed(ids)
         if self.draft.mask_embedding is not None:
             embeds = embeds.view(n, k + 1, -1).clone()
@@ -219,14 +217,16 @@ class DFlashProposer:
             block_size=bs,
         )
         meta = self._backend.build_metadata(batch, self.device)
-        hidden = self.draft(embeds, index(block_pos), meta, self._kv, block_len=k + 1)
+        hidden = self.draft(embeds, self._index(block_pos), meta, self._kv, block_len=k + 1)
         return self.choose(proposing, hidden.view(n, k + 1, -1), ids.view(n, k + 1)[:, 0])
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _write_pending_context(self) -> None:
         if self._pending.num_tokens:
             hidden, pos, slots = self._pending.take()
-            self.draft.write_context(hidden, torch.tensor(pos, device=self.device),
-                                     torch.tensor(slots, device=self.device), self._kv)
+            self.draft.write_context(hidden, self._index(pos), self._index(slots), self._kv)
 
     def choose(
         self, reqs: list[Request], hidden: torch.Tensor, anchors: torch.Tensor

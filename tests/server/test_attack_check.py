@@ -84,11 +84,11 @@ def test_sse_outcome(ac: ModuleType) -> None:
     finished = ('data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
                 'data: {"choices": [{"text": "", "finish_reason": "length"}]}\n\n'
                 'data: [DONE]\n\n')
-    assert ac.sse_outcome(*ac.parse_sse(finished)) == (["length"], [])
+    assert ac.sse_outcome(ac.parse_sse(finished)[0]) == (["length"], [])
     aborted = ('data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
                'data: {"error": {"message": "m", "type": "T", "param": null, "code": 503}}\n\n'
                'data: [DONE]\n\n')
-    assert ac.sse_outcome(*ac.parse_sse(aborted)) == ([], [503])
+    assert ac.sse_outcome(ac.parse_sse(aborted)[0]) == ([], [503])
 
 
 def test_sigterm_must_be_the_last_phase(ac: ModuleType) -> None:
