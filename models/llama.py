@@ -14,7 +14,8 @@ from torch import nn
 
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV
-from models.layers import Linear, RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary, linear
+from models.layers import (Linear, RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary, linear,
+                           pack_weight)
 
 
 class WeightLoadError(ValueError):
@@ -161,6 +162,18 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
+    head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Pack the decoder layers' projections (dropping their plain weights) and a copy of the
+        LM head (whose plain weight the embedding and the drafts' heads still read) for the
+        CPU's GEMM (``layers.pack_weight``; nothing changes on other devices). The last step of
+        loading: the model must not be moved or cast afterwards."""
+        for module in self.layers.modules():
+            if module is not self and callable(getattr(module, "pack", None)):
+                module.pack()
+        self.head_packed = pack_weight(self.lm_head_weight)
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -193,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h), captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, packed=self.head_packed).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -121,6 +121,7 @@ def load_target(
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02)
-        return model
-    model.load_weights(iter_safetensors(path))
+    else:
+        model.load_weights(iter_safetensors(path))
+    model.pack_weights()
     return model

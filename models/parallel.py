@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from models.hf_folder import ModelConfigError, weight_files
-from models.layers import linear
+from models.layers import PackedWeight, linear
 from models.llama import DecoderConfig, LlamaForCausalLM
 from models.loader import LOAD_FORMATS, build_target, decoder_config
 
@@ -130,7 +130,7 @@ def iter_shard_weights(
             raise ModelConfigError(f"Cannot read weights from {file}: {exc}") from exc
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackedWeight, nn.Module):
     """``x @ W_shard.T`` summed over ranks (one all-reduce); keeps the ``weight`` name."""
 
     def __init__(self, weight: nn.Parameter, all_reduce: AllReduce) -> None:
@@ -139,7 +139,7 @@ class RowParallelLinear(nn.Module):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
+        out = linear(x, self.weight, packed=self.packed)
         self.all_reduce(out)
         return out
 
@@ -186,6 +186,7 @@ def load_target_shard(
                 if not any(k in name for k in ("proj",)):  # replicated: the same on every rank
                     g.manual_seed(zlib.crc32(name.encode()))
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        return model
-    model.load_weights(iter_shard_weights(path, cfg, rank, size, skip))
+    else:
+        model.load_weights(iter_shard_weights(path, cfg, rank, size, skip))
+    model.pack_weights()
     return model

@@ -4,14 +4,16 @@ On an AVX-512-BF16 CPU, oneDNN's one-row bf16 product rounds differently from th
 two or more rows; with heavy-tailed activations like a real model's, about one row in seven
 differs in the last bit (measured here with plain ``F.linear``). A token decoded alone and the
 same token verified inside a block of drafts must get the same logits, so ``linear`` never
-multiplies a single reduced-precision row on its own."""
+multiplies a single reduced-precision row on its own. The same holds for weights packed by
+oneDNN (``pack_weight``), in bf16 and in fp32, where the packed product is also row-count
+invariant (MKL's plain fp32 product is not)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.layers import Linear, linear
+from models.layers import Linear, linear, pack_weight
 
 
 def _activations(dtype: torch.dtype, rows: int = 256, width: int = 1536) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,3 +50,70 @@ def test_linear_module_uses_the_row_stable_product():
         for i in range(x.shape[0]):
             assert torch.equal(layer(x[i:i + 1])[0], full[i])
     assert layer(x[:1]).shape == (1, 576)
+
+
+def _packed_or_skip(w: torch.Tensor) -> torch.Tensor:
+    packed = pack_weight(w)
+    if packed is None:
+        pytest.skip(f"oneDNN cannot pack {w.dtype} weights on this CPU")
+    return packed
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_rows_do_not_depend_on_the_row_count(dtype):
+    x, w = _activations(dtype, rows=80)
+    packed = _packed_or_skip(w)
+    full = linear(x, None, packed=packed)
+    assert full.dtype == dtype and full.shape == (80, 576)
+    torch.testing.assert_close(full.float(), linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    for m in (1, 2, 3, 5, 8, 9, 11, 16, 33):
+        for start in (0, 7, 40):
+            got = linear(x[start:start + m], None, packed=packed)
+            assert torch.equal(got, full[start:start + m]), (m, start)
+
+
+def test_packed_bf16_product_has_the_plain_products_bits():
+    """Packing only saves oneDNN re-blocking the weight on each call: same kernel, same bits."""
+    x, w = _activations(torch.bfloat16, rows=40)
+    assert torch.equal(linear(x, None, packed=_packed_or_skip(w)), linear(x, w))
+
+
+def test_pack_swaps_the_weight_for_good():
+    x, w = _activations(torch.float32, rows=16)
+    layer = Linear(w.shape[1], w.shape[0], bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.normal_()
+        before = layer(x)
+        layer.pack()
+        if layer.packed is None:
+            pytest.skip("oneDNN cannot pack float32 weights on this CPU")
+        assert layer.weight is None and "weight" not in dict(layer.named_parameters())
+        torch.testing.assert_close(layer(x), before, rtol=1e-4, atol=1e-4)
+        assert torch.equal(layer(x[3:4])[0], layer(x)[3])
+
+
+def test_nothing_is_packed_off_the_cpu_or_in_other_dtypes():
+    assert pack_weight(torch.zeros(8, 8, dtype=torch.float64)) is None
+    assert pack_weight(torch.zeros(8, 8, device="meta")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_loading_packs_the_projections_and_a_copy_of_the_head(tiny_llama_dir, dtype):
+    import json
+
+    from models.loader import load_target
+
+    hf = json.loads((tiny_llama_dir / "config.json").read_text())
+    model = load_target(tiny_llama_dir, hf, dtype, 64, torch.device("cpu"))
+    if pack_weight(model.lm_head_weight) is None:
+        pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
+    layer = model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):
+        assert proj.packed is not None and proj.weight is None
+    assert model.head_packed is not None and model.lm_head_weight is not None  # drafts read it
+    hidden = torch.randn(5, hf["hidden_size"]).to(dtype)
+    torch.testing.assert_close(model.compute_logits(hidden),
+                               hidden.float() @ model.lm_head_weight.float().T,
+                               rtol=2e-2, atol=2e-2)
