@@ -23,11 +23,12 @@ from collections.abc import Callable
 import torch
 
 from engine import measure_cache
-from models.layers import linear
+from models.layers import linear, pack_weight
 
 log = logging.getLogger("specserve.engine")
 
-CACHE_VERSION = 5  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls
+CACHE_VERSION = 6  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls;
+# 6: packed weights
 DTYPES = ("float32", "bfloat16")
 _HEAD_ROWS_MAX = 32768  # time at most this many LM-head rows, scaled to the vocabulary
 CONTEXT = 256  # tokens of context per row in the timed steps
@@ -136,6 +137,8 @@ def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
     with torch.device(device):
         model = LlamaForCausalLM(cfg, CONTEXT + 8).to(dtype).eval()
     head = model.embed_tokens.weight[:min(full.vocab_size, _HEAD_ROWS_MAX)]
+    model.pack_weights()  # as loading does: packed products where oneDNN packs this dtype
+    head_packed = pack_weight(head)
     head_scale = full.vocab_size / head.shape[0]
     block = 16
     names = [f"layers.{i}" for i in range(layers)]
@@ -169,7 +172,7 @@ def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
             for layer, layer_kv in zip(model.layers, kv):
                 x = layer(rope, x, meta, layer_kv)
             t1 = time.perf_counter()
-            linear(model.norm(x), head)
+            linear(model.norm(x), head, packed=head_packed)
             t2 = time.perf_counter()
             out.append((full.num_layers / layers * (t1 - t0) + (t2 - t1) * head_scale) / m)
         return out
