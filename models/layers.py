@@ -136,16 +136,21 @@ class RotaryEmbedding(nn.Module):
         """cos/sin rows for ``positions`` ``[N]``, shaped ``[N, 1, D]`` to broadcast over heads.
 
         Computed once per forward pass and shared by every layer."""
-        return (self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
+        half = self.sin.shape[-1] // 2
+        sin = self.sin[positions].to(dtype)
+        sin[:, :half] = -sin[:, :half]  # apply_rotary's sign, on the table: one op per step
+        return (self.cos[positions].to(dtype)[:, None, :], sin[:, None, :])
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``sin`` from :meth:`RotaryEmbedding.lookup`,
+    whose first half is negated: ``x2 * -sin`` has the bits of ``-x2 * sin``, one op fewer."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin
 
 
 class SwiGLU(nn.Module):

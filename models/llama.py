@@ -104,14 +104,19 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
 
     def qkv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q ``[N, Hq, D]``, K and V ``[N, Hkv, D]`` of ``x`` (q/k norm and RoPE applied)."""
+        """Q ``[N, Hq, D]``, K and V ``[N, Hkv, D]`` of ``x`` (q/k norm and RoPE applied).
+
+        Without q/k norms, Q and K are adjacent heads of the projection and get RoPE in one
+        pass (the same elementwise operations on the same values as two passes: same bits);
+        the results are views, Q strided between rows."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        heads = self.qkv_proj(x).view(n, -1, self.head_dim)
+        nq, nk = self.num_heads, self.num_kv_heads
+        if self.q_norm is None:
+            qk = apply_rotary(heads[:, : nq + nk], *rope)
+            return qk[:, :nq], qk[:, nq:], heads[:, nq + nk :]
+        q, k, v = heads.split([nq, nk, nk], dim=1)
+        q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
     def kv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from models.dflash import DFlashConfig, DFlashDraftModel
-from models.layers import RotaryEmbedding
+from models.layers import RotaryEmbedding, apply_rotary
 from models.llama import DecoderConfig, LlamaForCausalLM
 
 CFG = DecoderConfig(
@@ -36,6 +37,22 @@ def test_rope_lookup_unchanged() -> None:
     inv = 1.0 / (1e4 ** (torch.arange(0, 8, 2).float() / 8))
     torch.testing.assert_close(cos[1, 0, :4], torch.cos(5 * inv))
     torch.testing.assert_close(sin[2, 0, 4:], torch.sin(63 * inv))
+    torch.testing.assert_close(sin[2, 0, :4], -torch.sin(63 * inv))  # apply_rotary's sign
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_has_the_bits_of_rotate_half(dtype) -> None:
+    """``apply_rotary`` with the signed table equals Hugging Face's ``x*cos + rotate_half(x)*sin``
+    bitwise, for Q and K heads rotated together or apart."""
+    rope = RotaryEmbedding(16, 64, 1e4, None)
+    pos = torch.tensor([0, 3, 17, 63])
+    x = (torch.randn(4, 5, 16) * 3).to(dtype)
+    cos = rope.cos[pos].to(dtype)[:, None, :]
+    sin = rope.sin[pos].to(dtype)[:, None, :]
+    expected = x * cos + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin
+    together = apply_rotary(x, *rope.lookup(pos, dtype))
+    assert torch.equal(together, expected)
+    assert torch.equal(apply_rotary(x[:, 3:], *rope.lookup(pos, dtype)), together[:, 3:])
 
 
 def test_mask_embedding_lands_on_the_draft_device_and_dtype() -> None:
