@@ -71,6 +71,30 @@ def test_plain_batch_equals_alone(plain):
     assert_same_tokens(out[8], out["alone"], "plain, 8 together vs alone")
 
 
+def test_plain_batch_equals_alone_in_float32(real_model):
+    """float32 as well, to the last bit of every logprob: its projections multiply with
+    oneDNN-packed weights, whose rows do not depend on the row count (MKL's plain float32
+    product's do, from 1 to 11 rows; with it this test fails on the logprobs)."""
+    import torch
+
+    from models.layers import pack_weight
+
+    if pack_weight(torch.zeros(8, 8)) is None:
+        pytest.skip("oneDNN cannot pack float32 weights here")
+    llm = make_llm(REAL, None, **{**ARGS, "dtype": "float32"})
+    prompts = _prompts(8)
+    params = greedy(8, logprobs=5)
+
+    def bits(outputs):
+        return [[(lp.logprob, sorted(lp.top.items())) for lp in o.outputs[0].logprobs]
+                for o in outputs]
+
+    together = llm.generate(prompts, params)
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    assert_same_tokens(token_ids(together), token_ids(alone), "plain float32, 8 together vs alone")
+    assert bits(together) == bits(alone)
+
+
 @pytest.mark.parametrize("concurrency", [1, 8, 32])
 def test_dflash_greedy_equals_plain(plain, real_draft, concurrency):
     prompts, out = plain
