@@ -18,9 +18,10 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     e.g. bf16 without AVX-512).
 
     A plain ``F.linear`` re-blocks the weight on every call (bf16) or goes to MKL (fp32). The
-    packed product, measured on SmolLM2-135M's shapes on a 2-core AVX-512-BF16 EPYC, took
-    0.57-0.73x the time for 1-64 rows in bf16 with bitwise the same results, and 0.53-0.67x in
-    fp32, where it is also row-count invariant (MKL's fp32 rows change from 1 to 11 rows)."""
+    packed products of a SmolLM2-135M step took 0.62-0.82x the time for 1-64 rows in bf16 with
+    bitwise the same results, and 0.38-0.66x in fp32, where they are also row-count invariant
+    (MKL's fp32 rows change from 1 to 11 rows); 2-core AVX-512-BF16 EPYC,
+    ``benchmarks/bench_linear.py``."""
     if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
             or not torch.backends.mkldnn.is_available()):
         return None
