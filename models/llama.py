@@ -14,8 +14,8 @@ from torch import nn
 
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV
-from models.layers import (Linear, RMSNorm, Rope, RotaryEmbedding, SwiGLU, apply_rotary, linear,
-                           pack_weight)
+from models.layers import (Linear, PackedWeight, RMSNorm, Rope, RotaryEmbedding, SwiGLU,
+                           apply_rotary, linear, pack_weight)
 
 
 class WeightLoadError(ValueError):
@@ -169,15 +169,16 @@ class LlamaForCausalLM(nn.Module):
 
     head_packed: torch.Tensor | None = None
 
-    def pack_weights(self) -> None:
-        """Pack the decoder layers' projections (dropping their plain weights) and a copy of the
-        LM head (whose plain weight the embedding and the drafts' heads still read) for the
-        CPU's GEMM (``layers.pack_weight``; nothing changes on other devices). The last step of
-        loading: the model must not be moved or cast afterwards."""
+    def pack_weights(self, head: bool = True) -> None:
+        """Pack the decoder layers' projections (dropping their plain weights) and, with
+        ``head``, a copy of the LM head (whose plain weight the embedding and the drafts' heads
+        still read) for the CPU's GEMM (``layers.pack_weight``; nothing changes on other
+        devices). The last step of loading: the model must not be moved or cast afterwards."""
         for module in self.layers.modules():
-            if module is not self and callable(getattr(module, "pack", None)):
+            if isinstance(module, PackedWeight):
                 module.pack()
-        self.head_packed = pack_weight(self.lm_head_weight)
+        if head:
+            self.head_packed = pack_weight(self.lm_head_weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

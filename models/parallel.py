@@ -188,5 +188,5 @@ def load_target_shard(
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     else:
         model.load_weights(iter_shard_weights(path, cfg, rank, size, skip))
-    model.pack_weights()
+    model.pack_weights(head=with_lm_head)  # the workers never compute logits
     return model
