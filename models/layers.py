@@ -120,8 +120,11 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         # non-persistent buffers, so ``Module.to(device)`` moves them; ``_apply`` below keeps
         # them float32 when the model is cast (``Module.to(dtype)`` must not round the table)
+        # ``sin`` carries rotate-half's sign: its first half is negated (see apply_rotary)
+        sin = emb.sin()
+        sin[:, : sin.shape[-1] // 2].neg_()
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.max_positions = max_positions
 
     def _apply(self, fn, recurse=True):
@@ -136,11 +139,9 @@ class RotaryEmbedding(nn.Module):
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """cos/sin rows for ``positions`` ``[N]``, shaped ``[N, 1, D]`` to broadcast over heads.
 
-        Computed once per forward pass and shared by every layer."""
-        half = self.sin.shape[-1] // 2
-        sin = self.sin[positions].to(dtype)
-        sin[:, :half] = -sin[:, :half]  # apply_rotary's sign, on the table: one op per step
-        return (self.cos[positions].to(dtype)[:, None, :], sin[:, None, :])
+        Computed once per forward pass and shared by every layer; ``sin``'s first half is
+        negated, as :func:`apply_rotary` expects."""
+        return (self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -148,7 +149,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``sin`` from :meth:`RotaryEmbedding.lookup`,
-    whose first half is negated: ``x2 * -sin`` has the bits of ``-x2 * sin``, one op fewer."""
+    whose first half is negated in the table: ``x2 * -sin`` has the bits of ``-x2 * sin``, one
+    op fewer per call."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return x * cos + swapped * sin

@@ -47,8 +47,9 @@ def test_rotary_has_the_bits_of_rotate_half(dtype) -> None:
     rope = RotaryEmbedding(16, 64, 1e4, None)
     pos = torch.tensor([0, 3, 17, 63])
     x = (torch.randn(4, 5, 16) * 3).to(dtype)
-    cos = rope.cos[pos].to(dtype)[:, None, :]
-    sin = rope.sin[pos].to(dtype)[:, None, :]
+    angles = pos[:, None].float() * (1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16)))[None]
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
     expected = x * cos + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin
     together = apply_rotary(x, *rope.lookup(pos, dtype))
     assert torch.equal(together, expected)
