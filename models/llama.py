@@ -149,8 +149,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(rope, self.input_layernorm(h), meta, kv)
+        x, h = self.post_attention_layernorm.add(attn, h)
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):

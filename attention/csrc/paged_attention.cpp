@@ -6,15 +6,19 @@
 // that runs it. So a decode row (q_len = 1) and the same position inside a verify block
 // (q_len = K + 1) give bitwise identical outputs, alone or in any batch.
 //
-// Per row: scores s_j = (q . k_j) * scale for j < n (K read as 16-position blocks, transposed
-// to float, each score summed over d in order), m = max s, p_j = exp(s_j - m) with a fixed
+// Per row: scores s_j = (q . k_j) * scale for j < n (K read as 16-position blocks converted to
+// float, each score summed over d in 16 lanes in order, then the lanes in one fixed tree), m = max s, p_j = exp(s_j - m) with a fixed
 // polynomial exp, l = sum p_j in 16 fixed lanes, o = sum_j p_j v_j in order of j, out = o / l.
 // Built with -ffp-contract=off so vector and scalar code paths perform the same IEEE ops.
 //
-// Work is split into tasks (request, kv head, tile of query positions); a tile shares each
-// converted K/V block between its rows (GQA heads x positions), which changes no row's result.
+// Work is split into tasks (request, tile of query positions), each over every kv head, so a
+// task sweeps each page's K (then V) of all heads at once (in NHD one run of memory per
+// position); when there are too few to busy every thread (a lone decode), one task per kv head.
+// A task shares each converted K/V block between its rows (heads x positions), which changes
+// no row's result.
 
-#include <torch/extension.h>
+#include "cpu_common.h"
+
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -27,39 +31,6 @@ namespace {
 
 constexpr int kLanes = 16;  // K/V positions per block (and lanes of the l sum)
 
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
-
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  return __builtin_bit_cast(float, bits);
-}
-
-// exp(x) for x <= 0: round-to-nearest range reduction, degree-7 Taylor polynomial, 2^n by
-// exponent bits. Relative error ~1e-7; arguments below -87 give exp(-87) (~1.6e-38).
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float t = x * 1.44269504088896341f + shifter;
-  float n = t - shifter;
-  float r = x - n * 0.693145751953125f;  // ln2 high part (exact product for |n| < 2^11)
-  r = r - n * 1.428606765330187e-06f;   // ln2 low part
-  float p = 1.9841270e-4f;              // 1/5040
-  p = p * r + 1.3888889e-3f;            // 1/720
-  p = p * r + 8.3333333e-3f;            // 1/120
-  p = p * r + 4.1666667e-2f;            // 1/24
-  p = p * r + 1.6666667e-1f;            // 1/6
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
-
-typedef float v16 __attribute__((vector_size(64)));
 
 // Sum each of 16 vectors over its 16 lanes in one fixed tree, giving 16 sums in one vector in
 // the lane order kReducedLane (computed once by reduce16_order).
@@ -87,30 +58,77 @@ inline v16 reduce16(const v16* a) {
                                  31);
 }
 
-// position held by each lane of reduce16's result
-struct ReduceOrder {
-  int pos[kLanes];
-  ReduceOrder() {
-    v16 a[kLanes];
-    for (int l = 0; l < kLanes; ++l)
-      for (int e = 0; e < kLanes; ++e) a[l][e] = static_cast<float>(l);
-    v16 r = reduce16(a);
-    for (int e = 0; e < kLanes; ++e) pos[e] = static_cast<int>(r[e]) / kLanes;
-  }
-};
-const ReduceOrder kReduceOrder;
+// kSlot[l]: the input of reduce16 whose sum lands in lane l of its result (its tree of
+// half-swaps makes this the 4-bit reversal of l; checked against reduce16 at module load).
+constexpr int kSlot[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
-// acc[0..16C) += sum over l < lmax of p[l] * v[l][0..16C), in order of l, in registers.
+bool slots_match_reduce16_impl() {
+  v16 a[kLanes];
+  for (int l = 0; l < kLanes; ++l)
+    for (int e = 0; e < kLanes; ++e) a[l][e] = static_cast<float>(l);
+  const v16 r = reduce16(a);
+  for (int e = 0; e < kLanes; ++e)
+    if (static_cast<int>(r[e]) / kLanes != kSlot[e]) return false;
+  return true;
+}
+
+// s[0..16) = scale * (q . k_l) for 16 K rows ``stride`` floats apart: each dot product in 16
+// lanes summed over d in order, then reduce16's fixed tree. Row l's partial sums are placed
+// where reduce16 leaves lane l, so the scores come out in position order.
+template <int C>
+inline void qk_block(float* __restrict s, const float* __restrict q,
+                     const float* __restrict k, int64_t stride, float scale) {
+  v16 qv[C];
+  std::memcpy(qv, q, sizeof(qv));
+  v16 accs[kLanes];
+#pragma GCC unroll 16
+  for (int l = 0; l < kLanes; ++l) {
+    const float* kr = k + l * stride;
+    v16 kv;
+    std::memcpy(&kv, kr, sizeof(v16));
+    v16 a = qv[0] * kv;
+    for (int c = 1; c < C; ++c) {
+      std::memcpy(&kv, kr + c * kLanes, sizeof(v16));
+      a = a + qv[c] * kv;
+    }
+    accs[kSlot[l]] = a;
+  }
+  const v16 out = reduce16(accs) * scale;
+  std::memcpy(s, &out, sizeof(out));
+}
+
+inline void qk_generic(float* __restrict s, const float* __restrict q,
+                       const float* __restrict k, int64_t stride, int64_t D, float scale) {
+  v16 accs[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    const float* kr = k + l * stride;
+    v16 qv, kv;
+    std::memcpy(&qv, q, sizeof(v16));
+    std::memcpy(&kv, kr, sizeof(v16));
+    v16 a = qv * kv;
+    for (int64_t c = 1; c < D / kLanes; ++c) {
+      std::memcpy(&qv, q + c * kLanes, sizeof(v16));
+      std::memcpy(&kv, kr + c * kLanes, sizeof(v16));
+      a = a + qv * kv;
+    }
+    accs[kSlot[l]] = a;
+  }
+  const v16 out = reduce16(accs) * scale;
+  std::memcpy(s, &out, sizeof(out));
+}
+
+// acc[0..16C) += sum over l < lmax of p[l] * v[l][0..16C), in order of l, in registers; V's
+// rows are ``stride`` floats apart.
 template <int C>
 inline void pv_block(float* __restrict acc, const float* __restrict p,
-                     const float* __restrict v, int64_t lmax) {
+                     const float* __restrict v, int64_t lmax, int64_t stride) {
   v16 a[C];
   std::memcpy(a, acc, sizeof(a));
   for (int64_t l = 0; l < lmax; ++l) {
     const float pl = p[l];
     for (int c = 0; c < C; ++c) {
       v16 x;
-      std::memcpy(&x, v + l * C * kLanes + c * kLanes, sizeof(v16));
+      std::memcpy(&x, v + l * stride + c * kLanes, sizeof(v16));
       a[c] = a[c] + pl * x;
     }
   }
@@ -118,10 +136,10 @@ inline void pv_block(float* __restrict acc, const float* __restrict p,
 }
 
 inline void pv_generic(float* __restrict acc, const float* __restrict p,
-                       const float* __restrict v, int64_t lmax, int64_t D) {
+                       const float* __restrict v, int64_t lmax, int64_t D, int64_t stride) {
   for (int64_t l = 0; l < lmax; ++l) {
     const float pl = p[l];
-    for (int64_t d = 0; d < D; ++d) acc[d] += pl * v[l * D + d];
+    for (int64_t d = 0; d < D; ++d) acc[d] += pl * v[l * stride + d];
   }
 }
 
@@ -132,46 +150,54 @@ struct Geometry {
   int64_t block_size;
 };
 
-// Convert positions [j0, j0 + 16) of one kv head to float, transposed to [D][16] (K) or kept as
-// [16][D] (V); positions >= n_valid are zero.
-// Ask for the rows of positions [j0, j0 + 16) of one kv head (K or V) ahead of their use.
+// Address of position j's row of kv head h (K or V).
 template <typename T>
-inline void prefetch_block(const T* base, const Geometry& g, const int64_t* table, int64_t head,
-                           int which, int64_t j0, int64_t n_valid, int64_t D) {
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int l = 0; l < kLanes && j0 + l < n_valid; ++l) {
-    const int64_t j = j0 + l;
-    const char* src = reinterpret_cast<const char*>(
-        base + table[j / g.block_size] * g.stride_block + which * g.stride_kv +
-        (j % g.block_size) * g.stride_tok + head * g.stride_head);
-    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(src + off, 0, 1);
-  }
+inline const T* row_ptr(const T* base, const Geometry& g, const int64_t* table, int64_t h,
+                        int which, int64_t j) {
+  return base + table[j / g.block_size] * g.stride_block + which * g.stride_kv +
+         (j % g.block_size) * g.stride_tok + h * g.stride_head;
 }
 
+// Ask for the rows of positions [j0, j0 + 16) of kv heads [h0, h0 + nh) ahead of their use.
 template <typename T>
-inline void load_block(const T* base, const Geometry& g, const int64_t* table, int64_t head,
-                       int which, int64_t j0, int64_t n_valid, int64_t D, float scale,
-                       bool use_scale, bool transpose, float* dst) {
-  for (int l = 0; l < kLanes; ++l) {
-    int64_t j = j0 + l;
-    if (j >= n_valid) {
-      for (int64_t d = 0; d < D; ++d) {
-        if (transpose) dst[d * kLanes + l] = 0.0f; else dst[l * D + d] = 0.0f;
-      }
-      continue;
+inline void prefetch_block(const T* base, const Geometry& g, const int64_t* table, int64_t h0,
+                           int64_t nh, int which, int64_t j0, int64_t n_valid, int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int l = 0; l < kLanes && j0 + l < n_valid; ++l)
+    for (int64_t h = h0; h < h0 + nh; ++h) {
+      const char* src = reinterpret_cast<const char*>(row_ptr(base, g, table, h, which, j0 + l));
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(src + off, 0, 1);
     }
-    const T* src = base + table[j / g.block_size] * g.stride_block + which * g.stride_kv +
-                   (j % g.block_size) * g.stride_tok + head * g.stride_head;
-    if (transpose) {
-      for (int64_t d = 0; d < D; ++d) {
-        float f = to_float(src[d]);
-        dst[d * kLanes + l] = use_scale ? f * scale : f;
+}
+
+// Convert positions [j0, j0 + 16) of kv heads [h0, h0 + nh) to float as [16][nh][D], or, with
+// ``transpose``, as [nh][D][16]; positions >= n_valid are zero. In NHD the heads of a position
+// are adjacent, so a block of all heads is one run of memory per position.
+template <typename T>
+inline void load_block(const T* base, const Geometry& g, const int64_t* table, int64_t h0,
+                       int64_t nh, int which, int64_t j0, int64_t n_valid, int64_t D,
+                       float scale, bool use_scale, bool transpose, float* dst) {
+  for (int l = 0; l < kLanes; ++l) {
+    const int64_t j = j0 + l;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      if (j >= n_valid) {
+        for (int64_t d = 0; d < D; ++d) {
+          if (transpose) dst[(hh * D + d) * kLanes + l] = 0.0f; else dst[(l * nh + hh) * D + d] = 0.0f;
+        }
+        continue;
       }
-    } else {
-      float* row = dst + l * D;
-      for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
-      if (use_scale)
-        for (int64_t d = 0; d < D; ++d) row[d] = row[d] * scale;
+      const T* src = row_ptr(base, g, table, h0 + hh, which, j);
+      if (transpose) {
+        for (int64_t d = 0; d < D; ++d) {
+          float f = to_float(src[d]);
+          dst[(hh * D + d) * kLanes + l] = use_scale ? f * scale : f;
+        }
+      } else {
+        float* row = dst + (l * nh + hh) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_float(src[d]);
+        if (use_scale)
+          for (int64_t d = 0; d < D; ++d) row[d] = row[d] * scale;
+      }
     }
   }
 }
@@ -182,7 +208,17 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
          int64_t Hkv, int64_t D, bool causal, float scale, float k_scale, float v_scale,
          bool use_scale, int64_t tile) {
   const int64_t G = Hq / Hkv;
-  // tasks: (request, tile) pairs, times kv heads
+  // (query row, position) pairs: tiny calls run on the calling thread. On a quiet 2-core EPYC
+  // a second thread already paid from one 220-token decode row of 9 heads (0.023 -> 0.017 ms)
+  // and halved 32 such rows (0.71 -> 0.37 ms); the earlier threshold of 64k pairs had been
+  // tuned on a machine shared with other jobs, where waking a thread cost more.
+  int64_t work = 0;
+  for (int64_t b = 0; b < num_reqs; ++b) work += (q_indptr[b + 1] - q_indptr[b]) * kv_lens[b];
+  work *= Hq;
+  const int64_t max_threads = work < (int64_t{1} << 10) ? 1 : at::get_num_threads();
+  // tasks: (request, tile of query positions) pairs, each over all kv heads, so a task reads
+  // each page's K (then V) for every head in one sweep. Too few of them to keep every thread
+  // busy (a lone decode): one task per kv head instead. Neither changes any row's result.
   std::vector<int64_t> task_req, task_first;
   for (int64_t b = 0; b < num_reqs; ++b) {
     int64_t q_len = q_indptr[b + 1] - q_indptr[b];
@@ -191,36 +227,33 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       task_first.push_back(i);
     }
   }
-  const int64_t num_tasks = static_cast<int64_t>(task_req.size()) * Hkv;
-  // (query row, position) pairs: tiny calls run on the calling thread. On a quiet 2-core EPYC
-  // a second thread already paid from one 220-token decode row of 9 heads (0.023 -> 0.017 ms)
-  // and halved 32 such rows (0.71 -> 0.37 ms); the earlier threshold of 64k pairs had been
-  // tuned on a machine shared with other jobs, where waking a thread cost more.
-  int64_t work = 0;
-  for (int64_t b = 0; b < num_reqs; ++b) work += (q_indptr[b + 1] - q_indptr[b]) * kv_lens[b];
-  work *= Hq;
-  const int threads = work < (int64_t{1} << 10) ? 1 : static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), num_tasks)));
+  const int64_t units = static_cast<int64_t>(task_req.size());
+  const int64_t head_split = units < 2 * max_threads ? Hkv : 1;
+  const int64_t nh = Hkv / head_split;
+  const int64_t num_tasks = units * head_split;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min(max_threads, num_tasks)));
   // Dynamic scheduling: tasks differ in cost (context lengths, prefill tiles). Which thread
   // runs a task never changes its result.
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> kblk(D * kLanes + kLanes), vblk(kLanes * D), qf, scores, acc, denom;
+    std::vector<float> kblk(kLanes * nh * D), vblk(kLanes * nh * D), qf, scores, acc, denom;
     std::vector<int64_t> n_of;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
-      const int64_t t = task / Hkv, h = task % Hkv;
+      const int64_t t = task / head_split, h0 = (task % head_split) * nh;
       const int64_t b = task_req[t], i0 = task_first[t];
       const int64_t q_len = q_indptr[b + 1] - q_indptr[b];
       const int64_t kv_len = kv_lens[b];
       const int64_t i1 = std::min(q_len, i0 + tile);
-      const int64_t rows = (i1 - i0) * G;
+      // row r = ((i - i0) * nh + hh) * G + g: query position i, q head (h0 + hh) * G + g
+      const int64_t per_pos = nh * G;
+      const int64_t rows = (i1 - i0) * per_pos;
       const int64_t* table = geo.tables + b * geo.table_stride;
       n_of.resize(rows);
       int64_t n_max = 0;
       for (int64_t i = i0; i < i1; ++i) {
         int64_t n = causal ? kv_len - q_len + i + 1 : kv_len;
-        for (int64_t g = 0; g < G; ++g) n_of[(i - i0) * G + g] = n;
+        for (int64_t k = 0; k < per_pos; ++k) n_of[(i - i0) * per_pos + k] = n;
         n_max = std::max(n_max, n);
       }
       const int64_t n_pad = (n_max + kLanes - 1) / kLanes * kLanes;
@@ -228,54 +261,39 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       scores.resize(rows * n_pad);
       acc.resize(rows * D);
       for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t g = 0; g < G; ++g) {
-          const QT* src = q + ((q_indptr[b] + i) * Hq + h * G + g) * D;
-          float* dst = qf.data() + ((i - i0) * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]);
-        }
+        const QT* src = q + ((q_indptr[b] + i) * Hq + h0 * G) * D;
+        float* dst = qf.data() + (i - i0) * per_pos * D;
+        for (int64_t e = 0; e < per_pos * D; ++e) dst[e] = to_float(src[e]);
       }
-      // scores, one 16-position block at a time
+      // scores, one 16-position block (of every head of the task) at a time
       const bool vec = D % kLanes == 0;
       for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
-        if (j0 + kLanes < n_max) prefetch_block(cache, geo, table, h, 0, j0 + kLanes, n_max, D);
-        load_block(cache, geo, table, h, 0, j0, n_max, D, k_scale, use_scale, !vec, kblk.data());
-        if (vec) {
-          // each score: 16 lanes summed over d in order, then reduce16's fixed tree
-          const int64_t C = D / kLanes;
-          for (int64_t r = 0; r < rows; ++r) {
-            if (j0 >= n_of[r]) continue;
-            const float* qr = qf.data() + r * D;
-            v16 accs[kLanes];
-            for (int l = 0; l < kLanes; ++l) {
-              const float* kr = kblk.data() + l * D;
-              v16 qv, kv;
-              std::memcpy(&qv, qr, sizeof(v16));
-              std::memcpy(&kv, kr, sizeof(v16));
-              v16 a = qv * kv;
-              for (int64_t c = 1; c < C; ++c) {
-                std::memcpy(&qv, qr + c * kLanes, sizeof(v16));
-                std::memcpy(&kv, kr + c * kLanes, sizeof(v16));
-                a = a + qv * kv;
-              }
-              accs[l] = a;
-            }
-            v16 sums = reduce16(accs);
-            float* sr = scores.data() + r * n_pad + j0;
-            for (int e = 0; e < kLanes; ++e) sr[kReduceOrder.pos[e]] = sums[e] * scale;
-          }
-          continue;
-        }
+        if (j0 + kLanes < n_max)
+          prefetch_block(cache, geo, table, h0, nh, 0, j0 + kLanes, n_max, D);
+        load_block(cache, geo, table, h0, nh, 0, j0, n_max, D, k_scale, use_scale, !vec,
+                   kblk.data());
         for (int64_t r = 0; r < rows; ++r) {
           if (j0 >= n_of[r]) continue;
+          const int64_t hh = (r / G) % nh;
           const float* qr = qf.data() + r * D;
+          float* sr = scores.data() + r * n_pad + j0;
+          if (vec) {
+            // each score: 16 lanes summed over d in order, then reduce16's fixed tree; position
+            // l's partial sums go where reduce16 leaves lane l, so the scores come out in order
+            switch (D) {
+              case 64: qk_block<4>(sr, qr, kblk.data() + hh * D, nh * D, scale); break;
+              case 128: qk_block<8>(sr, qr, kblk.data() + hh * D, nh * D, scale); break;
+              default: qk_generic(sr, qr, kblk.data() + hh * D, nh * D, D, scale); break;
+            }
+            continue;
+          }
           float s[kLanes];
           for (int l = 0; l < kLanes; ++l) s[l] = 0.0f;
           for (int64_t d = 0; d < D; ++d) {
             const float qd = qr[d];
-            const float* kd = kblk.data() + d * kLanes;
+            const float* kd = kblk.data() + (hh * D + d) * kLanes;
             for (int l = 0; l < kLanes; ++l) s[l] += qd * kd[l];
           }
-          float* sr = scores.data() + r * n_pad + j0;
           for (int l = 0; l < kLanes; ++l) sr[l] = s[l] * scale;
         }
       }
@@ -298,29 +316,33 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       }
       // weighted sum of V in order of position
       std::fill(acc.begin(), acc.end(), 0.0f);
+      const int64_t vstride = nh * D;
       for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
-        if (j0 + kLanes < n_max) prefetch_block(cache, geo, table, h, 1, j0 + kLanes, n_max, D);
-        load_block(cache, geo, table, h, 1, j0, n_max, D, v_scale, use_scale, false, vblk.data());
+        if (j0 + kLanes < n_max)
+          prefetch_block(cache, geo, table, h0, nh, 1, j0 + kLanes, n_max, D);
+        load_block(cache, geo, table, h0, nh, 1, j0, n_max, D, v_scale, use_scale, false,
+                   vblk.data());
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t n = n_of[r];
           if (j0 >= n) continue;
           const int64_t lmax = std::min<int64_t>(kLanes, n - j0);
           const float* pr = scores.data() + r * n_pad + j0;
+          const float* vr = vblk.data() + ((r / G) % nh) * D;
           float* ar = acc.data() + r * D;
           switch (D) {
-            case 64: pv_block<4>(ar, pr, vblk.data(), lmax); break;
-            case 128: pv_block<8>(ar, pr, vblk.data(), lmax); break;
-            default: pv_generic(ar, pr, vblk.data(), lmax, D); break;
+            case 64: pv_block<4>(ar, pr, vr, lmax, vstride); break;
+            case 128: pv_block<8>(ar, pr, vr, lmax, vstride); break;
+            default: pv_generic(ar, pr, vr, lmax, D, vstride); break;
           }
         }
       }
       for (int64_t i = i0; i < i1; ++i) {
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = (i - i0) * G + g;
-          QT* dst = out + ((q_indptr[b] + i) * Hq + h * G + g) * D;
+        QT* dst = out + ((q_indptr[b] + i) * Hq + h0 * G) * D;
+        for (int64_t k = 0; k < per_pos; ++k) {
+          const int64_t r = (i - i0) * per_pos + k;
           const float* ar = acc.data() + r * D;
           const float l = denom[r];
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<QT>(ar[d] / l);
+          for (int64_t d = 0; d < D; ++d) dst[k * D + d] = static_cast<QT>(ar[d] / l);
         }
       }
     }
@@ -391,6 +413,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Batch-invariant paged attention (CPU)");
-}
+bool paged_attention_self_check() { return slots_match_reduce16_impl(); }

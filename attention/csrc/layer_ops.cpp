@@ -1,0 +1,168 @@
+// Elementwise steps of a decoder layer, one pass over memory each, for the CPU: RMSNorm (with
+// the residual add before it fused in) and SwiGLU's SiLU(gate) * up.
+//
+// Each output row is computed by the same operations whatever the number of rows or the thread
+// that runs it (rows are split between threads whole), so, like the paged-attention kernel,
+// they keep a request's results independent of its batch mates. Rounding follows PyTorch's
+// reduced-precision ops: every intermediate that PyTorch would store in the model's dtype
+// (the residual sum, the normalised row, SiLU's output) is rounded to it here too; arithmetic
+// in between is float32.
+
+#include "cpu_common.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+// float -> T with round-to-nearest-even (c10's rule), written so loops over it vectorize.
+template <typename T>
+inline T round_to(float f) {
+  return static_cast<T>(f);
+}
+
+template <>
+inline c10::BFloat16 round_to<c10::BFloat16>(float f) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, f);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>(f != f ? 0x7FC0u : rounded);
+  return out;
+}
+
+// Sum of squares of v[0, H): 16 lanes accumulated in order of index, then halved pairwise.
+inline float sum_squares(const float* v, int64_t H) {
+  float lane[16] = {0.0f};
+  int64_t i = 0;
+  for (; i + 16 <= H; i += 16)
+    for (int l = 0; l < 16; ++l) lane[l] += v[i + l] * v[i + l];
+  for (int l = 0; i < H; ++i, ++l) lane[l] += v[i] * v[i];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+// out = weight * round(v / sqrt(mean(v^2) + eps)), v a float32 row.
+template <typename T>
+inline void norm_row(const float* v, const T* weight, T* out, int64_t H, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_squares(v, H) / static_cast<float>(H) + eps);
+  for (int64_t d = 0; d < H; ++d)
+    out[d] = round_to<T>(to_float(round_to<T>(v[d] * inv)) * to_float(weight[d]));
+}
+
+// rows per thread: enough elements that waking a second thread pays
+inline int64_t grain(int64_t row_elems) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, row_elems));
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* what) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1, what,
+              ": x must be a contiguous CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kHalf, what, ": x must be float32, bfloat16 or float16");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.dim() == 1 && weight.size(0) == x.size(-1),
+              what, ": weight must be a contiguous [hidden] tensor of x's dtype");
+}
+
+template <typename F>
+void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: f(c10::Half{}); break;
+  }
+}
+
+}  // namespace
+
+// RMSNorm over the last dim of a contiguous x [..., H]: weight * round(x / rms(x)).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  auto out = torch::empty_like(x);
+  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain(H), [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(H);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t d = 0; d < H; ++d) v[d] = to_float(xp[r * H + d]);
+        norm_row(v.data(), wp, op + r * H, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// (RMSNorm(residual + x), residual + x), the sum rounded to x's dtype first, as ``x + residual``
+// would be.
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor weight, double eps) {
+  check_rows(x, weight, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                  residual.is_contiguous(),
+              "add_rms_norm: residual must be contiguous, with x's shape and dtype");
+  auto out = torch::empty_like(x);
+  auto sum = torch::empty_like(x);
+  const int64_t H = x.size(-1), rows = H ? x.numel() / H : 0;
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* rp = residual.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    T* sp = sum.data_ptr<T>();
+    at::parallel_for(0, rows, grain(H), [&](int64_t r0, int64_t r1) {
+      std::vector<float> v(H);
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t d = 0; d < H; ++d) {
+          const T s = round_to<T>(to_float(rp[r * H + d]) + to_float(xp[r * H + d]));
+          sp[r * H + d] = s;
+          v[d] = to_float(s);
+        }
+        norm_row(v.data(), wp, op + r * H, H, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// SiLU(gate) * up for gate_up [..., 2I] = [gate | up]: returns [..., I]. SiLU(g) = g * sigmoid(g)
+// with sigmoid from exp(-|g|) (never overflows), rounded to the dtype before the product.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
+                  gate_up.size(-1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous CPU tensor with an even last dim");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16 ||
+                  gate_up.scalar_type() == at::kHalf,
+              "silu_mul: gate_up must be float32, bfloat16 or float16");
+  auto sizes = gate_up.sizes().vec();
+  const int64_t I = sizes.back() / 2;
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gate_up.options());
+  const int64_t rows = I ? out.numel() / I : 0;
+  dispatch(gate_up.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain(I), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* g = gp + r * 2 * I;
+        const T* u = g + I;
+        T* o = op + r * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float x = to_float(g[i]);
+          const float e = exp_nonpos(x < 0.0f ? x : -x);
+          const float sig = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+          o[i] = round_to<T>(to_float(round_to<T>(x * sig)) * to_float(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}

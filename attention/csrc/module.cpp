@@ -1,0 +1,22 @@
+// The CPU kernels as one torch extension (``attention/cpu_kernel.py`` builds and loads it).
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                              torch::Tensor q_indptr, torch::Tensor kv_lens, bool causal,
+                              double scale, double k_scale, double v_scale, int64_t tile);
+bool paged_attention_self_check();
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  TORCH_CHECK(paged_attention_self_check(), "paged attention: kSlot does not match reduce16");
+  m.def("paged_attention", &paged_attention, "Batch-invariant paged attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x) (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] (CPU)");
+}

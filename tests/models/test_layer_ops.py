@@ -1,0 +1,149 @@
+"""The compiled CPU layer ops (``attention/csrc/layer_ops.cpp``) behind ``RMSNorm`` and ``SwiGLU``.
+
+- close to PyTorch's composition (the fallback path) in float32, bfloat16 and float16;
+- every output row is bitwise the same alone and inside batches of other rows (small batches run
+  on one thread, large ones on several: both are compared);
+- the residual sum is rounded to the dtype exactly as ``residual + x`` is;
+- with gradients recorded (draft training), the modules take PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention import cpu_kernel
+from models.layers import RMSNorm, SwiGLU, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(),
+                                reason=f"CPU kernels unavailable: {cpu_kernel.error()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+HIDDEN = 576  # SmolLM2-135M's; 36 blocks of 16 lanes
+ODD = 70  # a hidden size with a tail after the 16-lane blocks
+
+
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    return weight * normed.to(x.dtype)
+
+
+def make_norm(size: int, dtype: torch.dtype) -> RMSNorm:
+    norm = RMSNorm(size, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(size) + 0.5)
+    return norm.to(dtype)
+
+
+@pytest.mark.parametrize("size", [HIDDEN, ODD])
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_rms_norm_matches_pytorch(dtype, size) -> None:
+    torch.manual_seed(0)
+    norm = make_norm(size, dtype)
+    x = (torch.randn(33, size) * 3).to(dtype)
+    assert cpu_ops(x, norm.weight) is not None
+    torch.testing.assert_close(norm(x).float(), reference_norm(x, norm.weight, norm.eps).float(),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_add_rms_norm_rounds_the_sum_like_pytorch(dtype) -> None:
+    torch.manual_seed(1)
+    norm = make_norm(HIDDEN, dtype)
+    x = torch.randn(17, HIDDEN).to(dtype)
+    residual = (torch.randn(17, HIDDEN) * 10).to(dtype)
+    normed, total = norm.add(x, residual)
+    assert torch.equal(total, residual + x)  # bitwise: the residual stream is PyTorch's
+    torch.testing.assert_close(normed.float(), reference_norm(residual + x, norm.weight,
+                                                              norm.eps).float(),
+                               rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(normed, norm(total))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_silu_mul_matches_pytorch(dtype) -> None:
+    torch.manual_seed(2)
+    mlp = SwiGLU(64, 96).to(dtype)
+    gate_up = (torch.randn(9, 192) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, -87.5, 0.0, 90.0])  # tails of exp and sigmoid
+    gate, up = gate_up.split(96, dim=-1)
+    ref = F.silu(gate) * up
+    ours = cpu_kernel.load().silu_mul(gate_up)
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.isfinite(ours).all()
+    x = torch.randn(5, 64).to(dtype)
+    with torch.no_grad():  # the module takes the same path
+        expected = mlp.down_proj(cpu_kernel.load().silu_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(mlp(x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_rows_are_batch_invariant(dtype) -> None:
+    """Row ``i`` alone, in a batch of 4 and in a batch of 4096 (split between threads) gives the
+    same bits, for each op."""
+    torch.manual_seed(3)
+    norm = make_norm(HIDDEN, dtype)
+    mlp = SwiGLU(HIDDEN, 1536).to(dtype)
+    rows = (torch.randn(4096, HIDDEN) * 2).to(dtype)
+    other = torch.randn(4096, HIDDEN).to(dtype)
+    gate_up = torch.randn(4096, 2 * 1536).to(dtype)
+    ops = cpu_kernel.load()
+    full_norm = norm(rows)
+    full_add = norm.add(other, rows)
+    full_silu = ops.silu_mul(gate_up)
+    for i in (0, 7, 2049, 4095):
+        for sl in (slice(i, i + 1), slice(max(0, i - 3), max(0, i - 3) + 4)):
+            k = i - sl.start
+            assert torch.equal(norm(rows[sl])[k], full_norm[i])
+            normed, total = norm.add(other[sl], rows[sl])
+            assert torch.equal(normed[k], full_add[0][i]) and torch.equal(total[k], full_add[1][i])
+            assert torch.equal(ops.silu_mul(gate_up[sl])[k], full_silu[i])
+    assert mlp(rows[:1]).shape == (1, HIDDEN)
+
+
+@torch.inference_mode()
+def test_strided_and_3d_inputs() -> None:
+    """q/k norms see ``[N, H, D]`` views split off the QKV projection."""
+    torch.manual_seed(4)
+    norm = make_norm(64, torch.bfloat16)
+    heads = torch.randn(5, 12, 64).to(torch.bfloat16)
+    q = heads[:, :8]  # not contiguous
+    assert torch.equal(norm(q), norm(q.contiguous()))
+    torch.testing.assert_close(norm(q).float(), reference_norm(q, norm.weight, norm.eps).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_gradients_take_pytorch_ops() -> None:
+    norm = make_norm(ODD, torch.float32)
+    x = torch.randn(3, ODD, requires_grad=True)
+    assert cpu_ops(x, norm.weight) is None
+    out, total = norm.add(x, torch.randn(3, ODD))
+    (out.sum() + total.sum()).backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    with torch.no_grad():
+        assert cpu_ops(x, norm.weight) is not None
+
+
+def test_mixed_dtypes_or_devices_take_pytorch_ops() -> None:
+    with torch.no_grad():
+        assert cpu_ops(torch.zeros(2, 4), torch.zeros(4, dtype=torch.bfloat16)) is None
+        assert cpu_ops(torch.zeros(2, 4, dtype=torch.float64)) is None
+        assert cpu_ops(torch.zeros(2, 4, device="meta")) is None
+
+
+@pytest.mark.parametrize("call", [
+    lambda ops: ops.rms_norm(torch.zeros(2, 4), torch.zeros(5), 1e-5),
+    lambda ops: ops.rms_norm(torch.zeros(2, 4), torch.zeros(4, dtype=torch.bfloat16), 1e-5),
+    lambda ops: ops.add_rms_norm(torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(4), 1e-5),
+    lambda ops: ops.silu_mul(torch.zeros(2, 5)),
+    lambda ops: ops.silu_mul(torch.zeros(2, 8, dtype=torch.int32)),
+])
+def test_bad_inputs_raise_precise_errors(call) -> None:
+    with pytest.raises(RuntimeError, match="rms_norm|silu_mul"):
+        call(cpu_kernel.load())
