@@ -15,7 +15,7 @@ from torch import nn
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV
 from models.layers import (Linear, PackedWeight, RMSNorm, Rope, RotaryEmbedding, SwiGLU,
-                           apply_rotary, linear, pack_weight)
+                           apply_rotary, cpu_ops, linear, pack_weight)
 
 
 class WeightLoadError(ValueError):
@@ -113,6 +113,10 @@ class Attention(nn.Module):
         heads = self.qkv_proj(x).view(n, -1, self.head_dim)
         nq, nk = self.num_heads, self.num_kv_heads
         if self.q_norm is None:
+            ops = cpu_ops(heads, *rope)
+            if ops is not None:  # the same ops in one pass, Q and K contiguous
+                q, k = ops.rope_qk(heads, *rope, nq, nk)
+                return q, k, heads[:, nq + nk :]
             qk = apply_rotary(heads[:, : nq + nk], *rope)
             return qk[:, :nq], qk[:, nq:], heads[:, nq + nk :]
         q, k, v = heads.split([nq, nk, nk], dim=1)

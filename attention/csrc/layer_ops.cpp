@@ -120,11 +120,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
     at::parallel_for(0, rows, grain(H), [&](int64_t r0, int64_t r1) {
       std::vector<float> v(H);
       for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t d = 0; d < H; ++d) {
-          const T s = round_to<T>(to_float(rp[r * H + d]) + to_float(xp[r * H + d]));
-          sp[r * H + d] = s;
-          v[d] = to_float(s);
-        }
+        const T* xr = xp + r * H;
+        const T* rr = rp + r * H;
+        T* sr = sp + r * H;
+        for (int64_t d = 0; d < H; ++d) sr[d] = round_to<T>(to_float(rr[d]) + to_float(xr[d]));
+        for (int64_t d = 0; d < H; ++d) v[d] = to_float(sr[d]);
         norm_row(v.data(), wp, op + r * H, H, static_cast<float>(eps));
       }
     });
@@ -165,4 +165,53 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     });
   });
   return out;
+}
+
+// Rotary embedding (rotate-half) of the first nq + nk heads of qkv [N, heads, D] (the QKV
+// projection's output: queries, then keys): returns Q [N, nq, D] and K [N, nk, D], contiguous.
+// cos/sin [N, D] (any shape of N * D elements) in qkv's dtype, sin's first half negated as
+// ``RotaryEmbedding.lookup`` gives it: out = x * cos + swap_halves(x) * sin with each product
+// and the sum rounded to the dtype, as those three PyTorch ops would round them.
+std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos,
+                                                 torch::Tensor sin, int64_t nq, int64_t nk) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 3 && qkv.stride(2) == 1 &&
+                  qkv.stride(1) == qkv.size(2),
+              "rope_qk: qkv must be a CPU [N, heads, D] tensor with contiguous heads");
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16 ||
+                  qkv.scalar_type() == at::kHalf, "rope_qk: qkv must be float32, bfloat16 or float16");
+  const int64_t N = qkv.size(0), D = qkv.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && nq >= 0 && nk >= 0 && nq + nk <= qkv.size(1),
+              "rope_qk: need an even head size and nq + nk <= heads");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.numel() == N * D &&
+                  sin.numel() == N * D,
+              "rope_qk: cos and sin must be contiguous, N * D elements, of qkv's dtype");
+  auto q = torch::empty({N, nq, D}, qkv.options());
+  auto k = torch::empty({N, nk, D}, qkv.options());
+  const int64_t row_stride = qkv.stride(0);
+  dispatch(qkv.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    at::parallel_for(0, N, grain((nq + nk) * D), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const T* c = cp + n * D;
+        const T* s = sp + n * D;
+        for (int64_t h = 0; h < nq + nk; ++h) {
+          const T* x = xp + n * row_stride + h * D;
+          T* o = h < nq ? qp + (n * nq + h) * D : kp + (n * nk + h - nq) * D;
+          for (int64_t d = 0; d < half; ++d)
+            o[d] = round_to<T>(to_float(round_to<T>(to_float(x[d]) * to_float(c[d]))) +
+                               to_float(round_to<T>(to_float(x[d + half]) * to_float(s[d]))));
+          for (int64_t d = half; d < D; ++d)
+            o[d] = round_to<T>(to_float(round_to<T>(to_float(x[d]) * to_float(c[d]))) +
+                               to_float(round_to<T>(to_float(x[d - half]) * to_float(s[d]))));
+        }
+      }
+    });
+  });
+  return {q, k};
 }

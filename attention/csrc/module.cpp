@@ -12,6 +12,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                                       torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos,
+                                                 torch::Tensor sin, int64_t nq, int64_t nk);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TORCH_CHECK(paged_attention_self_check(), "paged attention: kSlot does not match reduce16");
@@ -19,4 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x) (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] (CPU)");
+  m.def("rope_qk", &rope_qk, "Rotary embedding of the query and key heads of a QKV row (CPU)");
 }

@@ -147,3 +147,23 @@ def test_mixed_dtypes_or_devices_take_pytorch_ops() -> None:
 def test_bad_inputs_raise_precise_errors(call) -> None:
     with pytest.raises(RuntimeError, match="rms_norm|silu_mul"):
         call(cpu_kernel.load())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_rope_qk_has_the_bits_of_apply_rotary(dtype) -> None:
+    """The fused RoPE rounds each product and the sum as ``apply_rotary``'s three ops do."""
+    from models.layers import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(5)
+    nq, nk, d = 9, 3, 64
+    rotary = RotaryEmbedding(d, 4096, 10000.0, None)
+    positions = torch.tensor([0, 1, 17, 300, 4095])
+    cos, sin = rotary.lookup(positions, dtype)
+    heads = (torch.randn(5, nq + 2 * nk, d) * 4).to(dtype)
+    q, k = cpu_kernel.load().rope_qk(heads, cos, sin, nq, nk)
+    assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(q, apply_rotary(heads[:, :nq], cos, sin))
+    assert torch.equal(k, apply_rotary(heads[:, nq : nq + nk], cos, sin))
+    with pytest.raises(RuntimeError, match="rope_qk"):
+        cpu_kernel.load().rope_qk(heads, cos, sin, nq, 2 * nk + 1)
