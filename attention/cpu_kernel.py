@@ -1,6 +1,6 @@
 """The CPU kernels (``attention/csrc/``), one torch extension built on first use: the paged
 attention (``paged_attention.cpp``) and a decoder layer's elementwise steps (``layer_ops.cpp``:
-RMSNorm with the residual add fused in, SiLU(gate) * up).
+RMSNorm with the residual add fused in, SiLU(gate) * up, RoPE of Q and K).
 
 ``make setup`` builds it once (``python -m attention.cpu_kernel``); otherwise the first call
 builds it (about a minute on two cores) into ``attention/csrc/build/``. When no compiler is

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 9  # 9: packed weights, attention on two threads sooner
+COST_CACHE_VERSION = 10  # 9: packed weights, attention on two threads sooner; 10: fused layer ops
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
