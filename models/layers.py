@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,7 @@ def linear(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    min_rows: int = 2,
 ) -> torch.Tensor:
     """``F.linear`` over rows ``x [N, ..., in]`` whose every row comes out bitwise the same however
     many rows the product has, so a token's logits do not depend on its batch mates or on
@@ -62,23 +65,62 @@ def linear(
     differently from the matrix-matrix kernel used from two rows on (measured with
     SmolLM2-135M's real activations on an AVX-512-BF16 EPYC: 1,217 of 48,400 one-row bf16
     products differed in the last bit, all in ``down_proj``; from two rows on none did, at any
-    row count or offset; packed fp32 ``down_proj`` rows differ the same way). So one row is
-    multiplied as two identical rows: the extra row costs nothing measurable in a product bound
-    by reading the weights.
+    row count or offset; packed fp32 ``down_proj`` rows differ the same way). So fewer than
+    ``min_rows`` rows (at least 2) are multiplied padded to ``min_rows`` with copies of the first
+    row: the same bits as any other row count from two on. Which padding is fastest depends on
+    the CPU (:func:`fastest_min_rows`).
     """
-    if x.shape[0] == 1 and x.device.type == "cpu" and (packed is not None or x.dtype in _REDUCED):
-        return linear(x.expand(2, *x.shape[1:]), weight, bias, packed)[:1]
+    n = x.shape[0]
+    if 0 < n < min_rows and x.device.type == "cpu" and (packed is not None or x.dtype in _REDUCED):
+        rest = x.shape[1:]
+        padded = x.expand(min_rows, *rest) if n == 1 else torch.cat(
+            (x, x[:1].expand(min_rows - n, *rest)))
+        return linear(padded, weight, bias, packed, min_rows)[:n]
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
+PAD_CHOICES = (2, 4)  # row counts a single row may be padded to (both give the same bits)
+
+
+def fastest_min_rows(products: list[tuple[torch.Tensor, int]], rounds: int = 5) -> int:
+    """Of :data:`PAD_CHOICES`, the padding under which one row through ``products`` (packed
+    weights with their input sizes, in the order a step runs them, so each weight comes from
+    memory as in a real step) takes least time: the median of ``rounds`` alternating timings.
+
+    oneDNN picks a different kernel per row count: on a 2-core AVX-512-BF16 EPYC one row of a
+    SmolLM2-135M step's products took 16.8-17.3 ms padded to 2 rows and 13.5-13.6 ms padded to
+    4 in bf16 (36.1 vs 24.6 ms in fp32); with AVX2 kernels fp32 took 37.1 at 2 and 39.4 at 4."""
+    if not products:
+        return PAD_CHOICES[0]
+    dtype = products[0][0].dtype
+    inputs = {size: torch.zeros(1, size, dtype=dtype) for _, size in products}
+
+    def run(rows: int) -> float:
+        start = time.perf_counter()
+        for packed, size in products:
+            linear(inputs[size], None, packed=packed, min_rows=rows)
+        return time.perf_counter() - start
+
+    timings: dict[int, list[float]] = {rows: [] for rows in PAD_CHOICES}
+    with torch.inference_mode():
+        for rows in PAD_CHOICES:
+            run(rows)  # warm-up: oneDNN builds its kernel for this shape once
+        for _ in range(rounds):
+            for rows in PAD_CHOICES:
+                timings[rows].append(run(rows))
+    return min(PAD_CHOICES, key=lambda rows: statistics.median(timings[rows]))
+
+
 class PackedWeight:
     """Mixin for a module with a ``weight`` it multiplies with :func:`linear`: :meth:`pack` swaps
     the weight for oneDNN's packed copy, for good. The plain weight is dropped (no second copy
-    of the model in memory), so pack only once weights are final."""
+    of the model in memory), so pack only once weights are final. ``min_rows``: the padding of
+    small products (:func:`linear`), set by the model once packed."""
 
     packed: torch.Tensor | None = None
+    min_rows: int = 2
 
     def pack(self) -> None:
         packed = pack_weight(self.weight)
@@ -91,7 +133,7 @@ class Linear(PackedWeight, nn.Linear):
     """``nn.Linear`` computed with :func:`linear` (row results independent of the row count)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.min_rows)
 
 
 class RMSNorm(nn.Module):

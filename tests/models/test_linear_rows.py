@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers import Linear, linear, pack_weight
+from models.layers import PAD_CHOICES, Linear, fastest_min_rows, linear, pack_weight
 
 
 def _activations(dtype: torch.dtype, rows: int = 256, width: int = 1536) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +112,31 @@ def test_loading_packs_the_projections_and_a_copy_of_the_head(tiny_llama_dir, dt
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                  layer.mlp.down_proj):
         assert proj.packed is not None and proj.weight is None
+        assert proj.min_rows == model.min_rows  # the padding pack_weights timed fastest
+    assert model.min_rows in PAD_CHOICES
     assert model.head_packed is not None and model.lm_head_weight is not None  # drafts read it
     hidden = torch.randn(5, hf["hidden_size"]).to(dtype)
     torch.testing.assert_close(model.compute_logits(hidden),
                                hidden.float() @ model.lm_head_weight.float().T,
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("min_rows", PAD_CHOICES)
+def test_every_padding_gives_the_same_bits(dtype, min_rows):
+    """1-3 rows padded to any of the choices equal those rows inside an 80-row product."""
+    x, w = _activations(dtype, rows=80)
+    packed = _packed_or_skip(w)
+    full = linear(x, None, packed=packed)
+    for m in (1, 2, 3):
+        for start in (0, 13, 77):
+            got = linear(x[start:start + m], None, packed=packed, min_rows=min_rows)
+            assert got.shape == (m, 576) and torch.equal(got, full[start:start + m]), (m, start)
+
+
+def test_fastest_min_rows_picks_a_choice():
+    assert fastest_min_rows([]) == PAD_CHOICES[0]
+    packed = pack_weight(torch.randn(256, 128))
+    if packed is None:
+        pytest.skip("oneDNN cannot pack float32 weights on this CPU")
+    assert fastest_min_rows([(packed, 128)] * 4, rounds=2) in PAD_CHOICES
