@@ -1,5 +1,5 @@
 // Elementwise steps of a decoder layer, one pass over memory each, for the CPU: RMSNorm (with
-// the residual add before it fused in) and SwiGLU's SiLU(gate) * up.
+// the residual add before it fused in), SwiGLU's SiLU(gate) * up and RoPE of Q and K.
 //
 // Each output row is computed by the same operations whatever the number of rows or the thread
 // that runs it (rows are split between threads whole), so, like the paged-attention kernel,
