@@ -172,7 +172,7 @@ def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
             for layer, layer_kv in zip(model.layers, kv):
                 x = layer(rope, x, meta, layer_kv)
             t1 = time.perf_counter()
-            linear(model.norm(x), head, packed=head_packed)
+            linear(model.norm(x), head, packed=head_packed, min_rows=model.min_rows)
             t2 = time.perf_counter()
             out.append((full.num_layers / layers * (t1 - t0) + (t2 - t1) * head_scale) / m)
         return out

@@ -84,23 +84,22 @@ def linear(
 PAD_CHOICES = (2, 4)  # row counts a single row may be padded to (both give the same bits)
 
 
-def fastest_min_rows(products: list[tuple[torch.Tensor, int]], rounds: int = 5) -> int:
+def fastest_min_rows(products: list[torch.Tensor], rounds: int = 5) -> int:
     """Of :data:`PAD_CHOICES`, the padding under which one row through ``products`` (packed
-    weights with their input sizes, in the order a step runs them, so each weight comes from
-    memory as in a real step) takes least time: the median of ``rounds`` alternating timings.
+    ``[out, in]`` weights in the order a step runs them, so each comes from memory as in a real
+    step) takes least time: the median of ``rounds`` alternating timings.
 
     oneDNN picks a different kernel per row count: on a 2-core AVX-512-BF16 EPYC one row of a
     SmolLM2-135M step's products took 16.8-17.3 ms padded to 2 rows and 13.5-13.6 ms padded to
     4 in bf16 (36.1 vs 24.6 ms in fp32); with AVX2 kernels fp32 took 37.1 at 2 and 39.4 at 4."""
     if not products:
         return PAD_CHOICES[0]
-    dtype = products[0][0].dtype
-    inputs = {size: torch.zeros(1, size, dtype=dtype) for _, size in products}
+    inputs = {w.shape[1]: torch.zeros(1, w.shape[1], dtype=w.dtype) for w in products}
 
     def run(rows: int) -> float:
         start = time.perf_counter()
-        for packed, size in products:
-            linear(inputs[size], None, packed=packed, min_rows=rows)
+        for packed in products:
+            linear(inputs[packed.shape[1]], None, packed=packed, min_rows=rows)
         return time.perf_counter() - start
 
     timings: dict[int, list[float]] = {rows: [] for rows in PAD_CHOICES}

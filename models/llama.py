@@ -180,20 +180,18 @@ class LlamaForCausalLM(nn.Module):
         ``head``, a copy of the LM head (whose plain weight the embedding and the drafts' heads
         still read) for the CPU's GEMM (``layers.pack_weight``; nothing changes on other
         devices). The last step of loading: the model must not be moved or cast afterwards."""
-        for module in self.layers.modules():
-            if isinstance(module, PackedWeight):
-                module.pack()
+        modules = [m for m in self.layers.modules() if isinstance(m, PackedWeight)]
+        for module in modules:
+            module.pack()
         if head:
             self.head_packed = pack_weight(self.lm_head_weight)
         # the padding of 1-row products (same bits whatever it is): the fastest, timed here
-        products = [(m.packed, m.packed.shape[1]) for m in self.layers.modules()
-                    if isinstance(m, PackedWeight) and m.packed is not None]
+        products = [m.packed for m in modules if m.packed is not None]
         if self.head_packed is not None:
-            products.append((self.head_packed, self.config.hidden_size))
+            products.append(self.head_packed)
         self.min_rows = fastest_min_rows(products)
-        for module in self.layers.modules():
-            if isinstance(module, PackedWeight):
-                module.min_rows = self.min_rows
+        for module in modules:
+            module.min_rows = self.min_rows
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

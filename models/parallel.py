@@ -139,7 +139,7 @@ class RowParallelLinear(PackedWeight, nn.Module):
         self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, packed=self.packed)
+        out = linear(x, self.weight, packed=self.packed, min_rows=self.min_rows)
         self.all_reduce(out)
         return out
 

@@ -57,11 +57,16 @@ inline int64_t grain(int64_t row_elems) {
   return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, row_elems));
 }
 
+void check_float(const torch::Tensor& t, const char* what, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kHalf, what, ": ", name,
+              " must be float32, bfloat16 or float16");
+}
+
 void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1, what,
               ": x must be a contiguous CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                  x.scalar_type() == at::kHalf, what, ": x must be float32, bfloat16 or float16");
+  check_float(x, what, "x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.dim() == 1 && weight.size(0) == x.size(-1),
               what, ": weight must be a contiguous [hidden] tensor of x's dtype");
@@ -138,9 +143,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
                   gate_up.size(-1) % 2 == 0,
               "silu_mul: gate_up must be a contiguous CPU tensor with an even last dim");
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16 ||
-                  gate_up.scalar_type() == at::kHalf,
-              "silu_mul: gate_up must be float32, bfloat16 or float16");
+  check_float(gate_up, "silu_mul", "gate_up");
   auto sizes = gate_up.sizes().vec();
   const int64_t I = sizes.back() / 2;
   sizes.back() = I;
@@ -177,8 +180,7 @@ std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tenso
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 3 && qkv.stride(2) == 1 &&
                   qkv.stride(1) == qkv.size(2),
               "rope_qk: qkv must be a CPU [N, heads, D] tensor with contiguous heads");
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat || qkv.scalar_type() == at::kBFloat16 ||
-                  qkv.scalar_type() == at::kHalf, "rope_qk: qkv must be float32, bfloat16 or float16");
+  check_float(qkv, "rope_qk", "qkv");
   const int64_t N = qkv.size(0), D = qkv.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && nq >= 0 && nk >= 0 && nq + nk <= qkv.size(1),
               "rope_qk: need an even head size and nq + nk <= heads");

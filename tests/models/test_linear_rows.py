@@ -139,4 +139,4 @@ def test_fastest_min_rows_picks_a_choice():
     packed = pack_weight(torch.randn(256, 128))
     if packed is None:
         pytest.skip("oneDNN cannot pack float32 weights on this CPU")
-    assert fastest_min_rows([(packed, 128)] * 4, rounds=2) in PAD_CHOICES
+    assert fastest_min_rows([packed] * 4, rounds=2) in PAD_CHOICES
