@@ -115,7 +115,11 @@ class Scheduler:
         decisions = dict(zip(sampling, ctl.plan(cands, other)))
         fresh = False
         if self.waiting or len(sampling) < len(self.running):
-            fresh = ctl.fresh_request_drafts(len(self.running) + 1)
+            # judged at the batch the request joins: when a wave arrives at once, the first
+            # admitted must not draft as if alone (a draft pass and context writes for the
+            # whole wave at its first token, which a full batch does not repay)
+            joined = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+            fresh = ctl.fresh_request_drafts(joined)
         return decisions, fresh
 
     def _trim_spec(self, req: Request, budget: int) -> list[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("specserve.spec")
@@ -32,6 +32,8 @@ class DecayedRates:
     hits: list[float]
     trials: list[float]
     decay: float
+    # (model version, expected gains) from AcceptanceModel.gains
+    cached: tuple[int, list[float]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def empty(cls, k: int, decay: float) -> DecayedRates:
@@ -61,6 +63,8 @@ class AcceptanceModel:
         self.request_weight = request_weight
         self.request_decay = request_decay
         self.global_counts = DecayedRates.empty(k, global_decay)
+        self.version = 0  # counts the verifications observed: every curve may have moved
+        self._fresh: tuple[int, list[float]] | None = None  # gains of a fresh request
 
     def new_request(self) -> DecayedRates:
         return DecayedRates.empty(self.k, self.request_decay)
@@ -73,11 +77,24 @@ class AcceptanceModel:
         prior = self.global_rates() if prior is None else prior
         return prior if state is None else state.rates(prior, self.request_weight)
 
+    def gains(self, state: DecayedRates | None) -> list[float]:
+        """:func:`expected_gains` of a request's curve (``None``: a fresh one), computed once
+        per verification observed anywhere: while nothing is verified (a batch too large for
+        speculation to pay) no curve moves, and each step's plan reads them again."""
+        if state is None:
+            if self._fresh is None or self._fresh[0] != self.version:
+                self._fresh = (self.version, expected_gains(self.global_rates()))
+            return self._fresh[1]
+        if state.cached is None or state.cached[0] != self.version:
+            state.cached = (self.version, expected_gains(self.rates(state)))
+        return state.cached[1]
+
     def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
         if num_verified <= 0:
             return
         state.observe(num_verified, num_accepted)
         self.global_counts.observe(num_verified, num_accepted)
+        self.version += 1
 
 
 def expected_gains(rates: list[float]) -> list[float]:

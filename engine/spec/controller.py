@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.spec.acceptance import AcceptanceModel, DecayedRates, expected_gains
+from engine.spec.acceptance import AcceptanceModel, DecayedRates
 from engine.spec.cost import StepCostModel
 from engine.spec.realized import RealizedGain
 from engine.spec.stats import SpecDecodingStats
@@ -133,21 +133,18 @@ class SpecController:
                     count_draft: bool) -> list[int]:
         cost = self.cost
         assert cost is not None
-        prior = self.acceptance.global_rates()
-        gains: list[float] = []  # every possible extra token: its gain and its candidate
-        owner: list[int] = []
-        for i, c in enumerate(cands):
-            for g in expected_gains(self.acceptance.rates(c.state, prior))[:min(self.k_max, c.cap)]:
-                if g < 1e-3:
-                    break
-                gains.append(g)
-                owner.append(i)
         rows = len(cands)
-        if not gains:
+        # every possible extra token: its gain (row-major: a request's gains in order) and owner
+        table = np.asarray([self.acceptance.gains(c.state) for c in cands])  # [rows, K]
+        limit = np.minimum(self.k_max, np.fromiter((c.cap for c in cands), int, rows))
+        usable = (np.arange(table.shape[1]) < limit[:, None]) & (table >= 1e-3)
+        gains = table[usable]
+        owner = np.nonzero(usable)[0]
+        if not gains.size:
             return [0] * rows
-        order = np.argsort(-np.asarray(gains), kind="stable")  # a request's gains stay in order
-        who = np.asarray(owner)[order]
-        expected = rows + np.concatenate(([0.0], np.cumsum(np.asarray(gains)[order])))
+        order = np.argsort(-gains, kind="stable")  # a request's gains stay in order
+        who = owner[order]
+        expected = rows + np.concatenate(([0.0], np.cumsum(gains[order])))
         base = other_tokens + sum(c.tokens for c in cands)
         times = cost.step_times(rows, base + np.arange(len(gains) + 1))
         if count_draft:
@@ -176,7 +173,7 @@ class SpecController:
         (call before :meth:`observe` folds the outcome in)."""
         if num_verified <= 0:
             return 1.0  # a plain decode (most rows of most steps): no curve to evaluate
-        return 1.0 + sum(expected_gains(self.acceptance.rates(state))[:num_verified])
+        return 1.0 + sum(self.acceptance.gains(state)[:num_verified])
 
     def observe_step(self, rows: int, tokens: int, drafted_rows: int, seconds: float, *,
                      verified: int = 0, expected: float | None = None,
