@@ -33,7 +33,7 @@ from torch import nn
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV, SlotIndex, write_kv
 from models.hf_folder import ModelConfigError
-from models.layers import RMSNorm, RotaryEmbedding
+from models.layers import Linear, PackedWeight, RMSNorm, RotaryEmbedding
 from models.llama import PACKED, DecoderLayer, LayerSpec, StackShape, WeightLoadError, _copy
 from models.loader import config_errors, layer_fields
 
@@ -128,7 +128,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         n_taps = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(n_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mask_embedding: nn.Parameter | None = None
         self.register_buffer("d2t", None)
@@ -136,6 +136,17 @@ class DFlashDraftModel(nn.Module):
     @property
     def layer_names(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.config.num_layers)]
+
+    def pack_weights(self, min_rows: int) -> None:
+        """Pack every projection for the CPU's GEMM as the target's are (``layers.pack_weight``;
+        nothing changes elsewhere), padding small products to the target's ``min_rows``. For
+        serving only, once the weights are final: the plain weights are dropped."""
+        for layer in self.layers:
+            layer.self_attn.pack_kv()  # the context K/V product reads a slice of qkv_proj
+        for module in self.modules():
+            if isinstance(module, PackedWeight):
+                module.pack()
+                module.min_rows = min_rows
 
     @property
     def draft_token_ids(self) -> torch.Tensor | None:
@@ -240,7 +251,7 @@ class DFlashDraftModel(nn.Module):
             raise WeightLoadError("d2t must map draft indices to strictly ascending target ids")
         if int(ids[0]) < 0:
             raise WeightLoadError(f"d2t maps to a negative target id {int(ids[0])}")
-        self.d2t = d2t.detach().long().to(self.fc.weight.device)
+        self.d2t = d2t.detach().long().to(self.norm.weight.device)
 
     def set_mask_embedding(self, vector: torch.Tensor) -> None:
         if tuple(vector.shape) != (self.config.hidden_size,):
@@ -248,7 +259,7 @@ class DFlashDraftModel(nn.Module):
                 f"mask_embedding has shape {tuple(vector.shape)}, expected ({self.config.hidden_size},)"
             )
         # on the draft's device and dtype: the proposer writes it into every step's block
-        weight = self.fc.weight
+        weight = self.norm.weight
         self.mask_embedding = nn.Parameter(
             vector.detach().to(device=weight.device, dtype=weight.dtype, copy=True),
             requires_grad=False,

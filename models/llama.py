@@ -102,6 +102,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
+        self.kv_packed: torch.Tensor | None = None  # see pack_kv
 
     def qkv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q ``[N, Hq, D]``, K and V ``[N, Hkv, D]`` of ``x`` (q/k norm and RoPE applied).
@@ -123,12 +124,21 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
+    def pack_kv(self) -> None:
+        """Keep a packed copy of the K/V rows of the projection for :meth:`kv` (before the
+        projection itself is packed and its plain weight dropped)."""
+        self.kv_packed = pack_weight(self.qkv_proj.weight[self.q_size :].contiguous())
+
     def kv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V alone (the DFlash drafts' context K/V of fused target features)."""
         n = x.shape[0]
-        w = self.qkv_proj.weight[self.q_size :]
-        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size :]
-        k, v = linear(x, w, b).split(self.kv_size, dim=-1)
+        proj = self.qkv_proj
+        b = None if proj.bias is None else proj.bias[self.q_size :]
+        if self.kv_packed is not None:
+            kv = linear(x, None, b, packed=self.kv_packed, min_rows=proj.min_rows)
+        else:
+            kv = linear(x, proj.weight[self.q_size :], b)
+        k, v = kv.split(self.kv_size, dim=-1)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from engine.outputs import ScheduledRequest, StepPlan
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -195,6 +195,7 @@ def measure_step_costs(
     blocks.grow(table_ids, ctx + max_per_row + lookahead)
     gen = torch.Generator().manual_seed(0)
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    made: list[Request] = []
 
     def plan_for(rows: int, q: int, draft: bool) -> StepPlan:
         plan = StepPlan(scheduled=[])
@@ -203,6 +204,7 @@ def measure_step_costs(
             req = Request(f"calibrate-{n}", prompt, greedy)
             req.num_computed_tokens = ctx - 1
             req.block_table = table_ids  # shared scratch pages: timing only
+            made.append(req)
             spec = torch.randint(0, vocab_size, (q - 1,), generator=gen).tolist()
             plan.scheduled.append(ScheduledRequest(req, q, spec, draft=draft))
         return plan
@@ -261,3 +263,5 @@ def measure_step_costs(
         return StepCostModel(rows_ladder, per_row, table, draft)
     finally:
         blocks.free(table_ids)
+        for req in made:  # finished: nothing a proposer kept for them is written any more
+            req.status = RequestStatus.FINISHED

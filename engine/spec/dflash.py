@@ -1,8 +1,8 @@
 """DFlash proposer: one non-causal draft pass per step proposes K tokens per request.
 
 After the target pass, the tapped target states of every accepted position become draft
-context K/V (written into the draft group's pages at those positions; while no request
-drafts, the writes wait and land in one batch before the next proposal reads the pages);
+context K/V (written into the draft group's pages at those positions; a request's writes wait
+until it drafts and land in one batch before its proposal reads the pages);
 then the query block ``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to
 look-ahead slots and attends to the whole context plus the block. The draft is greedy;
 verification stays exact. A DFlash2 draft (detected from its config.json) is served by
@@ -27,46 +27,83 @@ from engine.request import Request
 from models.dflash import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDraftModel
 from models.dflash2 import DFlash2Config, build_draft, draft_config
 from models.hf_folder import iter_safetensors, load_hf_config
+from models.layers import linear, pack_weight
 from models.llama import LlamaForCausalLM
 
 
-# Context K/V waits (at most this many tokens) while no request drafts: the draft's pages are
-# read only by a proposal pass, which writes everything pending first, and one batched write
-# costs about what a single step's small one does.
-MAX_PENDING_CONTEXT_TOKENS = 2048
+# Context K/V of a request waits until the request drafts (a request that never drafts, as
+# under load where verification does not pay, never costs a write); all of it is written at
+# once when the waiting states exceed this many bytes.
+MAX_PENDING_CONTEXT_BYTES = 64 * 2**20
 
 
 class PendingContext:
-    """Draft context K/V not yet written: tapped target states with their positions and slots,
-    in the order the steps produced them."""
+    """Draft context K/V not yet written, per request: tapped target states of consecutive
+    positions, in the order the steps produced them. Slots are looked up in the request's
+    block table when the states are taken, so a finished or preempted request's states (its
+    pages no longer its own) are dropped unwritten by :meth:`prune`."""
 
     def __init__(self) -> None:
-        self._hidden: list[torch.Tensor] = []
-        self._pos: list[int] = []
-        self._slots: list[int] = []
+        self._waiting: dict[str, _Waiting] = {}
+        self.num_bytes = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self._slots)
+        return sum(w.count for w in self._waiting.values())
 
-    def add(self, hidden: torch.Tensor, pos: list[int], slots: list[int]) -> None:
-        self._hidden.append(hidden)
-        self._pos.extend(pos)
-        self._slots.extend(slots)
+    def add(self, req: Request, hidden: torch.Tensor, start: int) -> None:
+        """The states ``hidden [n, taps*H]`` of positions ``start .. start+n-1`` of ``req``."""
+        w = self._waiting.get(req.request_id)
+        if w is not None and (w.request is not req or req.num_preemptions != w.preemptions):
+            self._drop(req.request_id)  # computed before a preemption (or for a namesake): stale
+            w = None
+        if w is None:
+            w = self._waiting[req.request_id] = _Waiting(req, req.num_preemptions, start)
+        elif start != w.start + w.count:
+            raise ValueError(f"context of {req.request_id!r} at {start}, expected "
+                             f"{w.start + w.count}")
+        w.hidden.append(hidden)
+        w.count += hidden.shape[0]
+        self.num_bytes += hidden.numel() * hidden.element_size()
 
-    def take(self) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Everything pending, emptied; when a slot was written twice (a finished request's
-        page reused while writes waited) only its newest write is kept, so the batched write
-        ends as the step-by-step writes would have."""
-        hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
-        pos, slots = self._pos, self._slots
-        self._hidden, self._pos, self._slots = [], [], []
-        newest = {slot: i for i, slot in enumerate(slots)}
-        if len(newest) < len(slots):
-            keep = sorted(newest.values())
-            hidden = hidden.index_select(0, torch.tensor(keep, device=hidden.device))
-            pos, slots = [pos[i] for i in keep], [slots[i] for i in keep]
-        return hidden, pos, slots
+    def prune(self) -> None:
+        """Drop the states of requests that finished or were preempted since they were added."""
+        gone = [rid for rid, w in self._waiting.items()
+                if w.request.is_finished or w.request.num_preemptions != w.preemptions]
+        for rid in gone:
+            self._drop(rid)
+
+    def take(self, block_size: int, request_ids: list[str] | None = None
+             ) -> tuple[torch.Tensor, list[int], list[int]] | None:
+        """The waiting states of ``request_ids`` (default: all) with their positions and
+        slots, removed; None if there are none."""
+        rids = list(self._waiting) if request_ids is None else [
+            r for r in request_ids if r in self._waiting]
+        if not rids:
+            return None
+        hidden: list[torch.Tensor] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for rid in rids:
+            w = self._drop(rid)
+            hidden.extend(w.hidden)
+            pos.extend(range(w.start, w.start + w.count))
+            slots.extend(slot_list(w.request.block_table, w.start, w.start + w.count, block_size))
+        return (hidden[0] if len(hidden) == 1 else torch.cat(hidden)), pos, slots
+
+    def _drop(self, rid: str) -> _Waiting:
+        w = self._waiting.pop(rid)
+        self.num_bytes -= sum(h.numel() * h.element_size() for h in w.hidden)
+        return w
+
+
+@dataclasses.dataclass
+class _Waiting:
+    request: Request
+    preemptions: int  # the request's count when these states were computed
+    start: int  # position of the first state
+    count: int = 0
+    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 class DFlashProposer:
@@ -91,12 +128,15 @@ class DFlashProposer:
         self._kv: list[LayerKV] | None = None
         self._backend: AttentionBackend | None = None
         self._pending = PendingContext()
-        self.max_pending_context_tokens = MAX_PENDING_CONTEXT_TOKENS
+        self.max_pending_context_bytes = MAX_PENDING_CONTEXT_BYTES
         # The rows of the target's LM head the draft scores (all of them, or its reduced
         # vocabulary) and their target ids; selected once here, not per step.
         self._vocab_ids = draft.draft_token_ids
         head = target.lm_head_weight
         self._head = head if self._vocab_ids is None else head.index_select(0, self._vocab_ids)
+        # packed for the CPU's GEMM like the target's head (the full head: the target's copy)
+        self._head_packed = (target.head_packed if self._vocab_ids is None
+                             else pack_weight(self._head))
 
     @classmethod
     def create(
@@ -140,6 +180,7 @@ class DFlashProposer:
             from safetensors.torch import load_file
 
             draft.set_mask_embedding(load_file(str(mask_file))["mask_embedding"])
+        draft.pack_weights(target.min_rows)
         args = (draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
         if isinstance(dcfg, DFlash2Config):
             from engine.spec.dflash2 import DFlash2Proposer
@@ -172,9 +213,8 @@ class DFlashProposer:
         bs = self.block_size
         k = self.num_speculative_tokens
         # index lists are built in Python and turned into tensors once per step
+        ctx: list[tuple[Request, int, int, int]] = []  # request, first row, first position, count
         ctx_rows: list[int] = []
-        ctx_pos: list[int] = []
-        ctx_slots: list[int] = []
         block_ids: list[int] = []
         block_pos: list[int] = []
         block_slots: list[int] = []
@@ -184,9 +224,8 @@ class DFlashProposer:
         for it in items:
             req = it.item.request
             if it.num_valid > 0:
+                ctx.append((req, len(ctx_rows), it.start, it.num_valid))
                 ctx_rows.extend(range(it.row, it.row + it.num_valid))
-                ctx_pos.extend(range(it.start, it.start + it.num_valid))
-                ctx_slots.extend(slot_list(req.block_table, it.start, it.start + it.num_valid, bs))
             if not it.sampled or not it.wants_draft:
                 continue
             p = it.start + it.num_valid  # position of the newest (bonus) token
@@ -198,12 +237,17 @@ class DFlashProposer:
             kv_lens.append(p + k + 1)
             tables.append(tuple(req.block_table))
 
+        pending = self._pending
+        pending.prune()
         if ctx_rows:
-            self._pending.add(captured.index_select(0, self._index(ctx_rows)), ctx_pos, ctx_slots)
-        if proposing or self._pending.num_tokens >= self.max_pending_context_tokens:
-            self._write_pending_context()
+            states = captured.index_select(0, self._index(ctx_rows))
+            for req, first, start, count in ctx:
+                pending.add(req, states[first:first + count], start)
+        if pending.num_bytes > self.max_pending_context_bytes:
+            self._write_context(pending.take(bs))
         if not proposing:
             return {}
+        self._write_context(pending.take(bs, [r.request_id for r in proposing]))
         n = len(proposing)
         ids = self._index(block_ids)
         embeds = self.target.embed(ids)
@@ -223,10 +267,14 @@ class DFlashProposer:
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _write_pending_context(self) -> None:
-        if self._pending.num_tokens:
-            hidden, pos, slots = self._pending.take()
+    def _write_context(self, taken: tuple[torch.Tensor, list[int], list[int]] | None) -> None:
+        if taken is not None:
+            hidden, pos, slots = taken
             self.draft.write_context(hidden, self._index(pos), self._index(slots), self._kv)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores ``[N, V']`` of the draft's vocabulary for final-normed draft states ``[N, H]``."""
+        return linear(hidden, self._head, packed=self._head_packed, min_rows=self.target.min_rows)
 
     def choose(
         self, reqs: list[Request], hidden: torch.Tensor, anchors: torch.Tensor
@@ -234,7 +282,7 @@ class DFlashProposer:
         """Draft tokens from the block states ``[n, K+1, H]`` (DFlash: the argmax of every
         MASK position; DFlash2 overrides this with its selector)."""
         n, k = hidden.shape[0], hidden.shape[1] - 1
-        best = torch.nn.functional.linear(hidden[:, 1:].reshape(n * k, -1), self._head).argmax(dim=-1)
+        best = self.draft_logits(hidden[:, 1:].reshape(n * k, -1)).argmax(dim=-1)
         if self._vocab_ids is not None:
             best = self._vocab_ids.index_select(0, best)
         return dict(zip((r.request_id for r in reqs), best.view(n, k).tolist()))

@@ -54,7 +54,7 @@ class DFlash2Proposer(DFlashProposer):
         self, reqs: list[Request], hidden: torch.Tensor, anchors: torch.Tensor
     ) -> dict[str, list[int]]:
         h = hidden[:, 1:]
-        logits = torch.nn.functional.linear(h, self._head)
+        logits = self.draft_logits(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
         temps = [float(r.params.temperature) if samples_drafts(r) else 0.0 for r in reqs]
         temperature = None
         if any(temps):

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 11  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
+COST_CACHE_VERSION = 12  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
 # 11: one row padded to the fastest row count
 
 

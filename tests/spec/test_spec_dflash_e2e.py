@@ -46,8 +46,9 @@ class SpyProposer:
 
     def propose(self, items, captured):
         self.calls += 1
-        if self.calls % self.draft_every:
-            items = [dataclasses.replace(it, wants_draft=False) for it in items]
+        if self.draft_every > 1:  # each request on its own turn: the others' writes wait
+            items = [dataclasses.replace(it, wants_draft=(self.calls + i) % self.draft_every == 0)
+                     for i, it in enumerate(items)]
         drafted = self.inner.propose(items, captured)
         bs = self.pool.layer(self.inner.layer_names[0]).block_size
         for it in items:
@@ -126,8 +127,9 @@ def test_dflash_proposals_and_draft_cache_match_reference(qwen3_target, draft_di
     inner = engine.runner.proposer
     oracle = OracleProposer(futures, K, TARGET_VOCAB,
                             corrupt=lambda call, rid: (call % (K + 1)) if call % (K + 1) < K else None)
-    # deferred_context: the draft proposes every 5th step only, so context writes wait over
-    # preemptions and page reuse and land in one batch before the next proposal
+    # deferred_context: each request drafts every 5th step only, the requests on different
+    # steps, so a request's context writes wait over the others' proposals, preemptions and
+    # page reuse, and land in one batch before its own next proposal
     spy = SpyProposer(inner, oracle, engine.pool, 5 if variant == "deferred_context" else 1)
     engine.runner.proposer = spy
     got = token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS]))
