@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -193,6 +194,12 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot.of(engine)
         if self._on_ready is not None:
             self._call(self._on_ready, engine)
+        # What startup built (models, tokenizer, libraries) lives as long as the engine; in
+        # view of the garbage collector, every full collection walked all of it: 135-155 ms
+        # stalls, one per 500-800 steps at 32 requests (measured offline, ~300,000 objects).
+        # Unfrozen when the loop ends, so that a stopped engine can be collected.
+        gc.collect()
+        gc.freeze()
         try:
             self._serve(engine)
         except BaseException as exc:
@@ -200,6 +207,8 @@ class AsyncEngine:
             self._die(f"{type(exc).__name__}: {exc}",
                       503 if isinstance(exc, TensorParallelError) else 500)
             return
+        finally:
+            gc.unfreeze()
         self._abort_routes(engine, list(self._routes), notify=True)
         with self._lock:
             self.state = "stopped"
