@@ -242,7 +242,10 @@ class DFlashProposer:
         if ctx_rows:
             states = captured.index_select(0, self._index(ctx_rows))
             for req, first, start, count in ctx:
-                pending.add(req, states[first:first + count], start)
+                rows = states[first:first + count]
+                # a copy where the step had other requests: a view would keep the whole step's
+                # states alive for as long as the longest of them waits
+                pending.add(req, rows if len(ctx) == 1 else rows.clone(), start)
         if pending.num_bytes > self.max_pending_context_bytes:
             self._write_context(pending.take(bs))
         if not proposing:
