@@ -16,6 +16,9 @@ from scripted_runner import (
 
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.request import RequestStatus
+from engine.spec.acceptance import AcceptanceModel
+from engine.spec.controller import SpecController
+from engine.spec.stats import SpecDecodingStats
 
 EOS = 2
 
@@ -54,6 +57,30 @@ def test_admission_respects_max_num_seqs() -> None:
             if s.request_id not in order:
                 order.append(s.request_id)
     assert order == rids
+
+
+def test_a_wave_is_judged_for_drafting_at_the_batch_it_forms() -> None:
+    """Requests arriving together draft at their first token only if drafting pays at the
+    batch they form (capped at max_num_seqs), not as if the first admitted were alone."""
+    seen: list[int] = []
+
+    class Recording(SpecController):
+        def fresh_request_drafts(self, batch_rows: int) -> bool:
+            seen.append(batch_rows)
+            return batch_rows < 4  # drafting pays below four rows
+
+    ctl = Recording(2, AcceptanceModel(2), None, SpecDecodingStats(2), adaptive=False)
+    sched = make_scheduler(max_num_seqs=6, max_num_batched_tokens=12, controller=ctl)
+    for i in range(9):
+        sched.add(make_request(f"r{i}", 4))
+    plan = sched.schedule()  # the budget admits three of the nine
+    assert len(plan.scheduled) == 3 and seen == [6]
+    assert not any(item.draft for item in plan.scheduled)
+    seen.clear()
+    alone = make_scheduler(max_num_seqs=6, max_num_batched_tokens=12, controller=ctl)
+    alone.add(make_request("solo", 4))
+    plan = alone.schedule()
+    assert seen == [1] and plan.scheduled[0].draft
 
 
 def test_admission_respects_token_budget_and_chunks_the_last_admitted() -> None:
