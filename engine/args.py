@@ -31,7 +31,7 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: default_block_size(device)
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | str = "1GiB"
     kv_cache_layout: str | None = None
@@ -81,8 +81,11 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
         )
+        block_size = self.block_size
+        if block_size is None:
+            block_size = default_block_size(torch.device(self.device))
         cache = CacheConfig(
-            block_size=self.block_size,
+            block_size=block_size,
             cache_dtype=self.kv_cache_dtype,
             kv_cache_memory_bytes=parse_memory(self.kv_cache_memory),
             num_blocks_override=self.num_kv_blocks,
@@ -137,6 +140,16 @@ class EngineArgs:
             # the adaptive controller decides per step, from measured costs, whether drafts pay
             return SpeculativeConfig(method="dflash", model=str(draft))
         return SpeculativeConfig.parse(self.speculative_config)
+
+
+def default_block_size(device: torch.device) -> int:
+    """Tokens per KV block when none is asked for: 128 on the CPU, 16 elsewhere (as vLLM).
+
+    On the CPU the paged attention reads longer runs of contiguous K/V per block: SmolLM2-135M
+    bf16, 32 requests of 256 tokens, block size 128 against 16 in one process (4 alternating
+    rounds, the same tokens): 1.10x tok/s (1.07-1.19); at 1 request and at 16 requests of 64
+    tokens 0.99x and 1.00x (2-vCPU AVX-512-BF16 EPYC)."""
+    return 128 if device.type == "cpu" else 16
 
 
 def default_draft_for(model: str) -> Path | None:

@@ -183,9 +183,21 @@ def _engine(model_dir, **kwargs):
     from engine.llm import LLM
 
     args = dict(model=str(model_dir), dtype="float32", speculative_config=None,
-                max_model_len=64, kv_cache_memory="4MiB")
+                max_model_len=64, kv_cache_memory="4MiB", block_size=16)
     args.update(kwargs)
     return LLM(**args).engine
+
+
+def test_the_default_block_size_is_chosen_by_device(tiny_llama_dir) -> None:
+    from engine.args import default_block_size
+    from engine.llm import LLM
+
+    assert default_block_size(torch.device("cpu")) == 128
+    assert default_block_size(torch.device("cuda")) == 16
+    engine = LLM(model=str(tiny_llama_dir), dtype="float32", speculative_config=None,
+                 max_model_len=256, kv_cache_memory="4MiB").engine
+    assert engine.config.cache.block_size == 128
+    assert engine.runner.kv_layers[0].block_size == 128
 
 
 @pytest.mark.parametrize("requested", [None, "HND", "NHD", "LBHNC"])

@@ -83,7 +83,7 @@ def _close(llm) -> None:
 
 
 CASES = [  # (model, draft, extra engine args)
-    ("llama-kv2", False, {"num_kv_blocks": 12}),  # 6 requests need 16 blocks: preemption
+    ("llama-kv2", False, {"num_kv_blocks": 12, "block_size": 16}),  # 6 requests need 16: preemption
     ("qwen3-kv1", False, {}),
     ("llama-kv2", True, {}),
     ("qwen3-kv1", True, {"kv_cache_layout": "HND"}),

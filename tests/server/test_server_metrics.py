@@ -53,7 +53,8 @@ def test_exposition_parses_with_vllm_names_and_labels(srv: RunningServer) -> Non
     ks = [s.labels["k"] for s in families["specserve:spec_decode_verify_steps"].samples]
     assert ks == ["0", "1", "2", "3"]
     info = families["vllm:cache_config_info"].samples[0]
-    assert info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
+    assert info.labels["block_size"] == "128"  # the default on the CPU
+    assert int(info.labels["num_gpu_blocks"]) > 0
 
 
 def test_counters_move_with_requests(srv: RunningServer) -> None:
