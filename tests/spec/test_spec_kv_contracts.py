@@ -102,8 +102,9 @@ def test_lookahead_reserved_for_draft_block(qwen3_target, draft_dir):
 
     # max_model_len 64, block 16: 4 blocks hold the context; K=3 needs 4 more slots -> 5 blocks
     with pytest.raises(KVBudgetError, match="look-ahead"):
-        make_llm(qwen3_target, _spec(draft_dir), max_model_len=64, num_kv_blocks=4)
-    make_llm(qwen3_target, _spec(draft_dir), max_model_len=64, num_kv_blocks=5)
+        make_llm(qwen3_target, _spec(draft_dir), max_model_len=64, num_kv_blocks=4,
+                 block_size=16)
+    make_llm(qwen3_target, _spec(draft_dir), max_model_len=64, num_kv_blocks=5, block_size=16)
 
 
 def test_env_layout_applies_to_both_groups(qwen3_target, draft_dir, monkeypatch):

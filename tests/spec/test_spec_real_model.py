@@ -67,6 +67,7 @@ def test_real_model_greedy_equal_fp8_target_bf16_draft_hnd(real_model, real_draf
                    kv_cache_layout="HND", **ARGS)
     assert_same_tokens(token_ids(llm.generate(PROMPTS, greedy(24))), want)
     pool = llm.engine.pool
-    assert pool.layer("target.layers.29").physical.shape[1:] == (2, 3, 16, 64)
+    bs = llm.engine.config.cache.block_size  # HND: [blocks, K/V, heads, block, head_dim]
+    assert pool.layer("target.layers.29").physical.shape[1:] == (2, 3, bs, 64)
     assert pool.layer("draft.layers.0").physical.dtype.__str__() == "torch.bfloat16"
     assert llm.get_spec_decoding_stats().num_drafts > 0
