@@ -214,7 +214,6 @@ class DFlashProposer:
         k = self.num_speculative_tokens
         # index lists are built in Python and turned into tensors once per step
         ctx: list[tuple[Request, int, int, int]] = []  # request, first row, first position, count
-        ctx_rows: list[int] = []
         block_ids: list[int] = []
         block_pos: list[int] = []
         block_slots: list[int] = []
@@ -224,8 +223,7 @@ class DFlashProposer:
         for it in items:
             req = it.item.request
             if it.num_valid > 0:
-                ctx.append((req, len(ctx_rows), it.start, it.num_valid))
-                ctx_rows.extend(range(it.row, it.row + it.num_valid))
+                ctx.append((req, it.row, it.start, it.num_valid))
             if not it.sampled or not it.wants_draft:
                 continue
             p = it.start + it.num_valid  # position of the newest (bonus) token
@@ -239,13 +237,9 @@ class DFlashProposer:
 
         pending = self._pending
         pending.prune()
-        if ctx_rows:
-            states = captured.index_select(0, self._index(ctx_rows))
-            for req, first, start, count in ctx:
-                rows = states[first:first + count]
-                # a copy where the step had other requests: a view would keep the whole step's
-                # states alive for as long as the longest of them waits
-                pending.add(req, rows if len(ctx) == 1 else rows.clone(), start)
+        for req, row, start, count in ctx:
+            # a copy: a view would keep the whole step's states alive while the request waits
+            pending.add(req, captured[row:row + count].clone(), start)
         if pending.num_bytes > self.max_pending_context_bytes:
             self._write_context(pending.take(bs))
         if not proposing:

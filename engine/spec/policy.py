@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("specserve.spec")
 
 COST_CACHE_VERSION = 12  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
-# 11: one row padded to the fastest row count
+# 11: one row padded to the fastest row count; 12: packed draft weights, context writes
+# deferred per request
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
