@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from engine.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    GraphConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -22,6 +24,8 @@ from engine.dtype_choice import auto_dtype
 from models.hf_folder import load_hf_config
 from models.loader import decoder_config
 from models.resolve import DEFAULT_MODEL, builtin_model_name, resolve_model_path
+
+log = logging.getLogger("specserve.engine")
 
 DEFAULT_SPEC = "default"  # the built-in model's shipped draft, when it has one
 
@@ -46,6 +50,8 @@ class EngineArgs:
     served_model_name: str | None = None
     load_format: str = "auto"
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # CUDA: never capture graphs (vLLM's switch)
+    max_cudagraph_capture_size: int = 512  # CUDA: the largest step (in tokens) run as a graph
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -98,6 +104,9 @@ class EngineArgs:
             max_waiting_requests=self.max_waiting_requests,
         )
         self._check_tensor_parallel(dec)
+        graphs = graph_config(torch.device(self.device), self.attention_backend,
+                              self.tensor_parallel_size, self.enforce_eager,
+                              self.max_cudagraph_capture_size)
         return EngineConfig(
             model=model,
             cache=cache,
@@ -106,6 +115,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             device=self.device,
             tensor_parallel_size=self.tensor_parallel_size,
+            graphs=graphs,
         )
 
     def _check_tensor_parallel(self, dec) -> None:
@@ -140,6 +150,39 @@ class EngineArgs:
             # the adaptive controller decides per step, from measured costs, whether drafts pay
             return SpeculativeConfig(method="dflash", model=str(draft))
         return SpeculativeConfig.parse(self.speculative_config)
+
+
+def capture_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The token counts captured as graphs: 1, 2, 4, 8, then steps of 8 to 32, 16 to 128, 32
+    to 256 and 64 beyond (above 32 tokens a padded step wastes under a third of its rows, from
+    48 under a quarter),
+    up to and including ``max_tokens``."""
+    sizes, n = [], 1
+    while n <= max_tokens:
+        sizes.append(n)
+        n = n * 2 if n < 8 else n + (8 if n < 32 else 16 if n < 128 else 32 if n < 256 else 64)
+    if sizes[-1] != max_tokens:
+        sizes.append(max_tokens)
+    return tuple(sizes)
+
+
+def graph_config(device: torch.device, backend: str, tensor_parallel_size: int,
+                 enforce_eager: bool, max_tokens: int) -> GraphConfig | None:
+    """CUDA graphs for decode and verify steps where they can run: a CUDA device, the
+    FlashInfer backend (whose plans take fixed-size buffers; the torch backend's shapes follow
+    the contexts), one rank, and no ``enforce_eager``. Elsewhere every step runs eagerly."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ConfigError(f"max_cudagraph_capture_size must be an integer >= 1, got "
+                          f"{max_tokens!r}", "max_cudagraph_capture_size")
+    if enforce_eager or device.type != "cuda":
+        return None
+    if backend.strip().lower() != "flashinfer":
+        log.info("CUDA graphs need --attention-backend flashinfer; running %s eagerly", backend)
+        return None
+    if tensor_parallel_size > 1:
+        log.info("CUDA graphs are not captured with tensor parallelism; running eagerly")
+        return None
+    return GraphConfig(capture_sizes(max_tokens))
 
 
 def default_block_size(device: torch.device) -> int:

@@ -169,6 +169,30 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class GraphConfig:
+    """Static, padded target passes (``engine.graphs``) for steps whose every query is a
+    row: decode, speculative verify and short prompt chunks. ``sizes`` are the token counts a
+    step is padded up to, ascending; ``capture`` records each size as a CUDA graph once and
+    replays it, while ``capture=False`` runs the same static buffers eagerly (how the CPU
+    tests the padding; a real engine never does this)."""
+
+    sizes: tuple[int, ...]
+    capture: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ConfigError(f"graph sizes must ascend from >= 1, got {self.sizes}",
+                              "max_cudagraph_capture_size")
+
+    def size_for(self, num_tokens: int) -> int | None:
+        """The smallest size holding ``num_tokens`` tokens (None: too many for any)."""
+        for size in self.sizes:
+            if size >= num_tokens:
+                return size
+        return None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -177,6 +201,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     device: str = "cpu"
     tensor_parallel_size: int = 1  # > 1: the target is sharded over ranks (engine.distributed)
+    graphs: GraphConfig | None = None  # None: every step runs eagerly
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype | None:

@@ -17,6 +17,7 @@ from attention.groups import LayerKVSpec, build_groups
 from attention.layout import choose_layout
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.graphs import PadSpace, target_passes
 from engine.kv_pool import KVPool, plan_pool
 from engine.output_processor import EngineCounters, OutputProcessor
 from engine.outputs import RequestOutput, StepPlan
@@ -88,20 +89,32 @@ class LLMEngine:
         )
         cc.layout_cell.set(layout)
         lookahead = self.proposer.lookahead_slots if self.proposer is not None else 0
+        # static (graphed) steps pad with rows that write to a block no request owns
+        reserved = 1 if config.graphs is not None else 0
         plan = plan_pool(
             list(groups.values()), cc.kv_cache_memory_bytes, mc.max_model_len, lookahead,
-            cc.num_blocks_override,
+            cc.num_blocks_override, reserved,
         )
         self.pool = KVPool(list(groups.values()), plan.num_blocks, cc.layout, self.device)
         if self.tp is not None:
             self.tp.setup_workers(layout, self.pool)
-        self.blocks = BlockManager(plan.num_blocks, cc.block_size)
+        self.blocks = BlockManager(plan.num_blocks - reserved, cc.block_size)
+        pad = None
+        if config.graphs is not None:
+            pad = PadSpace(plan.num_blocks - 1, -(-(mc.max_model_len + lookahead) // cc.block_size))
         if self.proposer is not None:
             self.proposer.bind(self.pool, backends["draft"] if "draft" in backends else None)
+            if pad is not None:
+                self.proposer.use_graphs(config.graphs, pad)
         runner_args = (self.model, self.pool.layers(self.target_layers), backends["target"],
                        self.device, Sampler(mc.seed), self.proposer)
         if self.tp is None:
-            self.runner = ModelRunner(*runner_args)
+            graphs = None
+            if pad is not None:
+                taps = self.proposer.capture_layers if self.proposer is not None else ()
+                graphs = target_passes(self.model, runner_args[1], backends["target"],
+                                       self.device, config.graphs, pad, taps)
+            self.runner = ModelRunner(*runner_args, graphs=graphs)
         else:
             from engine.distributed import TPModelRunner
 
@@ -129,8 +142,9 @@ class LLMEngine:
             "dtype": dtype_name(mc.dtype),
             "kv_layout": f"{layout} ({reason})",
             "groups": {n: dtype_name(g.dtype) for n, g in groups.items()},
-            "num_blocks": plan.num_blocks,
-            "kv_tokens": plan.num_blocks * cc.block_size,
+            "num_blocks": plan.num_blocks - reserved,
+            "kv_tokens": (plan.num_blocks - reserved) * cc.block_size,
+            "cuda_graphs": None if config.graphs is None else list(config.graphs.sizes),
             "speculative": None if config.speculative is None else {
                 **{k: v for k, v in vars(config.speculative).items() if v is not None},
                 "num_speculative_tokens": self.proposer.num_speculative_tokens,

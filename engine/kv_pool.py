@@ -31,21 +31,24 @@ def plan_pool(
     max_model_len: int,
     lookahead: int,
     num_blocks_override: int | None = None,
+    reserved_blocks: int = 0,
 ) -> PoolPlan:
-    """Size the pool: ``num_blocks = budget // bytes_per_block`` (or the override)."""
+    """Size the pool: ``num_blocks = budget // bytes_per_block`` (or the override), of which
+    the last ``reserved_blocks`` are never handed to requests (CUDA graphs' pad block)."""
     bytes_per_block = sum(g.bytes_per_block_per_layer * len(g.layers) for g in groups)
     block_size = groups[0].block_size
     num_blocks = (
         num_blocks_override if num_blocks_override is not None else budget_bytes // bytes_per_block
     )
-    needed = -(-(max_model_len + lookahead) // block_size)
+    needed = -(-(max_model_len + lookahead) // block_size) + reserved_blocks
     if num_blocks < needed:
         layers = sum(len(g.layers) for g in groups)
         raise KVBudgetError(
             f"KV cache budget {budget_bytes / 2**20:.1f} MiB holds {num_blocks} blocks of "
             f"{block_size} tokens ({bytes_per_block / 2**10:.1f} KiB per block across {layers} "
             f"layers); one request of max_model_len={max_model_len} plus {lookahead} look-ahead "
-            f"tokens needs {needed} blocks. Lower --max-model-len or raise --kv-cache-memory "
+            f"tokens needs {needed - reserved_blocks} blocks"
+            f"{f' (plus {reserved_blocks} reserved)' if reserved_blocks else ''}. Lower --max-model-len or raise --kv-cache-memory "
             f"to at least {needed * bytes_per_block / 2**20:.1f} MiB"
         )
     return PoolPlan(num_blocks=num_blocks, bytes_per_block=bytes_per_block)

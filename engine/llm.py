@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.args import EngineArgs
+from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -20,6 +21,14 @@ class LLM:
             kwargs["model"] = model
         self.engine_config = EngineArgs.from_kwargs(**kwargs).create_engine_config()
         self.engine = LLMEngine(self.engine_config)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> LLM:
+        """An LLM over an already resolved config (e.g. one adjusted with ``dataclasses.replace``)."""
+        llm = cls.__new__(cls)
+        llm.engine_config = config
+        llm.engine = LLMEngine(config)
+        return llm
 
     def get_tokenizer(self):
         return self.engine.tokenizer

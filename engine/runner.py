@@ -8,6 +8,7 @@ import torch
 
 from attention.backends.base import AttentionBackend, AttentionBatch
 from attention.kv import LayerKV
+from engine.graphs import PaddedPasses
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.sampler import RowGroup, Sampler
 from engine.spec.base import ProposalItem, Proposer
@@ -35,6 +36,7 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler,
         proposer: Proposer | None = None,
+        graphs: PaddedPasses | None = None,
     ) -> None:
         self.model = model
         self.kv_layers = kv_layers
@@ -43,6 +45,7 @@ class ModelRunner:
         self.sampler = sampler
         self.proposer = proposer
         self.block_size = kv_layers[0].block_size
+        self.graphs = graphs  # static, padded decode/verify passes (CUDA graphs)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -100,6 +103,9 @@ class ModelRunner:
         capture: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass (tensor parallelism overrides this to send it to every rank)."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            hidden, captured = self.graphs.run(ids, positions, batch)
+            return hidden, captured
         meta = self.backend.build_metadata(batch, self.device)
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -117,6 +117,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                      help="shard the target over N ranks (worker processes; gloo on CPU, "
                           "NCCL on CUDA)")
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="CUDA: run every step eagerly instead of replaying captured graphs")
+    eng.add_argument("--max-cudagraph-capture-size", type=int,
+                     default=d.max_cudagraph_capture_size,
+                     help="CUDA: the largest decode/verify step, in tokens, run as a graph")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,6 +153,24 @@ def _device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def engine_kwargs_from(args: argparse.Namespace, served_name: str) -> dict[str, Any]:
+    """``EngineArgs`` keywords from the parsed ``serve`` flags."""
+    return {
+        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_memory": args.kv_cache_memory, "kv_cache_layout": args.kv_cache_layout,
+        "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_waiting_requests": args.max_waiting_requests,
+        "speculative_config": args.speculative_config,
+        "attention_backend": args.attention_backend, "device": _device(args.device),
+        "seed": args.seed, "served_model_name": served_name,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enforce_eager": args.enforce_eager,
+        "max_cudagraph_capture_size": args.max_cudagraph_capture_size,
+    }
+
+
 def serve(args: argparse.Namespace) -> int:
     cap_kernel_caches()
     _configure_logging(args.uvicorn_log_level)
@@ -160,18 +183,7 @@ def serve(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_name or [args.model])
     keys = tuple(args.api_key or ([os.environ[API_KEY_ENV]] if os.environ.get(API_KEY_ENV)
                                   else []))
-    engine_kwargs: dict[str, Any] = {
-        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-        "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
-        "kv_cache_memory": args.kv_cache_memory, "kv_cache_layout": args.kv_cache_layout,
-        "num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_waiting_requests": args.max_waiting_requests,
-        "speculative_config": args.speculative_config,
-        "attention_backend": args.attention_backend, "device": _device(args.device),
-        "seed": args.seed, "served_model_name": names[0],
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
+    engine_kwargs = engine_kwargs_from(args, names[0])
     try:
         server_config = ServerConfig(
             served_model_names=names, api_keys=keys, max_logprobs=args.max_logprobs,

@@ -128,6 +128,14 @@ class FlashInferBackend:
             log.warning("this FlashInfer has no disable_split_kv: decode and verify rows may "
                         "round differently, so greedy speculation may not equal plain greedy")
 
+    def row_split_args(self) -> dict:
+        """How rows split their keys: not at all, or in fixed chunks (``kv_split_pages``)."""
+        if not self.split_controls:
+            return {}
+        if self.kv_split_pages:
+            return {"fixed_split_size": self.kv_split_pages}
+        return {"disable_split_kv": True}
+
     def check_support(
         self, kv_dtype: torch.dtype, q_dtype: torch.dtype, head_size: int, group: str
     ) -> None:
@@ -172,6 +180,13 @@ class FlashInferBackend:
             parts.append(_Part(part.kind, indices, tokens))
         return FlashInferMetadata(self, parts, idx, batch.num_tokens, next(self._serial))
 
+    def graph_metadata(self, size: int, q_len: int, max_pages: int, query, kv: LayerKV
+                       ) -> FlashInferGraphMetadata:
+        """Static metadata for a CUDA graph (``engine.graphs``) of ``size`` entries of
+        ``q_len`` queries: single-query rows (``q_len == 1``) or non-causal query blocks.
+        ``query`` is the model's ``QueryShape``, ``kv`` any of its layers (one group)."""
+        return FlashInferGraphMetadata(self, size, q_len, max_pages, query, kv)
+
 
 @dataclass
 class _Part:
@@ -198,12 +213,7 @@ class FlashInferMetadata:
         if be._planned_by.get(wkey) == (self.serial, key):
             return wrapper
         idx = part.indices
-        extra = {}
-        if part.kind == "rows" and be.split_controls:
-            if be.kv_split_pages:
-                extra["fixed_split_size"] = be.kv_split_pages
-            else:
-                extra["disable_split_kv"] = True
+        extra = be.row_split_args() if part.kind == "rows" else {}
         wrapper.plan(
             idx.qo_indptr, idx.kv_indptr, idx.kv_indices, idx.kv_last_page_len, heads,
             kv_heads, dim, idx.page_size, causal=part.kind == "chunks", q_data_type=q.dtype,
@@ -227,3 +237,79 @@ class FlashInferMetadata:
     def _run(self, part: _Part, q: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         wrapper = self._plan(part, q, kv, scale)
         return wrapper.run(q, kv.physical, k_scale=kv.k_scale, v_scale=kv.v_scale)
+
+
+class FlashInferGraphMetadata:
+    """The plan of one captured pass size, on fixed buffers.
+
+    Every pass replayed at this size has exactly ``size`` entries (real and pad; see
+    ``engine.graphs``) of ``q_len`` queries: rows of the target's steps (``q_len == 1``) or
+    the draft's query blocks. The plan's batch size, query tile and schedule are therefore
+    those of the capture; :meth:`prepare` re-plans them for the pass's keys (FlashInfer copies
+    the index arrays into this wrapper's buffers) and writes its slots into static tensors,
+    before the replay and outside the graph. :meth:`attend` (inside the graph) only writes
+    K/V and runs. Each kind is planned as the eager backend plans it (rows: FA2, no KV split),
+    so a row gives the same result captured or not."""
+
+    def __init__(self, backend: FlashInferBackend, size: int, q_len: int, max_pages: int,
+                 query, kv: LayerKV) -> None:
+        dev = backend.device
+        self.backend = backend
+        self.size = size
+        self.q_len = q_len
+        self.query = query
+        self.kv_dtype = kv.dtype
+        self.num_kv_heads = kv.group.num_kv_heads
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.wrapper = backend._fi.BatchPrefillWithPagedKVCacheWrapper(
+            backend.workspace, kv.layout, backend="fa2" if q_len == 1 else "auto",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.arange(size + 1, **i32) * q_len,
+            paged_kv_indptr_buf=torch.zeros(size + 1, **i32),
+            paged_kv_indices_buf=torch.zeros(size * max_pages, **i32),
+            paged_kv_last_page_len_buf=torch.zeros(size, **i32),
+        )
+        blocks = torch.zeros(size * q_len, dtype=torch.long, device=dev)
+        self.slots = SlotIndex(None, blocks, torch.zeros_like(blocks))
+
+    def _planned_batch(self, batch: AttentionBatch) -> AttentionBatch:
+        if self.q_len == 1:
+            parts = split_batch(batch, self.backend.row_max_q)
+            if len(parts) == 1 and parts[0].kind == "rows":
+                batch = parts[0].batch
+            ok = batch.num_tokens == self.size and not batch.causal
+        else:
+            ok = (not batch.causal and len(batch.q_lens) == self.size
+                  and all(q == self.q_len for q in batch.q_lens))
+        if not ok:
+            raise ValueError(f"a graph of {self.size} entries of {self.q_len} queries cannot "
+                             f"run this pass (q_lens {batch.q_lens[:8]}...)")
+        return batch
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        """Plan the pass and load its slots (host work and asynchronous copies only)."""
+        planned = self._planned_batch(batch)
+        slots = batch.slot_mapping.cpu()
+        if bool((slots < 0).any()):
+            raise ValueError("a graphed pass needs a slot for every query (pad entries too)")
+        blocks = torch.div(slots, batch.block_size, rounding_mode="floor")
+        dev = self.backend.device
+        self.slots.blocks.copy_(_host(blocks, dev), non_blocking=True)
+        self.slots.offsets.copy_(_host(slots - blocks * batch.block_size, dev),
+                                 non_blocking=True)
+        idx = build_paged_indices(planned)
+        extra = self.backend.row_split_args() if self.q_len == 1 else {}
+        q = self.query
+        self.wrapper.plan(
+            *(_host(t, dev) for t in (idx.qo_indptr, idx.kv_indptr, idx.kv_indices,
+                                      idx.kv_last_page_len)),
+            q.num_heads, self.num_kv_heads, q.head_dim, idx.page_size, causal=False,
+            q_data_type=q.dtype, kv_data_type=self.kv_dtype, sm_scale=q.scale, **extra,
+        )
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float
+    ) -> torch.Tensor:
+        write_kv(kv, k, v, self.slots)
+        return self.wrapper.run(q.contiguous(), kv.physical, k_scale=kv.k_scale,
+                                v_scale=kv.v_scale)

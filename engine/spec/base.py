@@ -33,6 +33,10 @@ class Proposer(Protocol):
     capture_layers: tuple[int, ...]  # target layer ids whose outputs the proposer reads
     lookahead_slots: int  # extra KV slots a request needs past its length
 
+    def use_graphs(self, config, pad) -> None:
+        """Run the proposer's model passes from static buffers (``engine.graphs``), if any."""
+        ...
+
     def propose(
         self, items: list[ProposalItem], captured: torch.Tensor | None
     ) -> dict[str, list[int]]:

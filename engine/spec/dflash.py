@@ -19,7 +19,8 @@ import torch
 from attention.backends.base import AttentionBackend, AttentionBatch
 from attention.groups import LayerKVSpec
 from attention.kv import LayerKV
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, GraphConfig
+from engine.graphs import PaddedPasses, PadSpace, QueryShape, draft_sizes
 from engine.kv_pool import KVPool
 from engine.runner import slot_list
 from engine.spec.base import ProposalItem
@@ -127,6 +128,7 @@ class DFlashProposer:
         self.layer_names = [f"draft.{name}" for name in draft.layer_names]
         self._kv: list[LayerKV] | None = None
         self._backend: AttentionBackend | None = None
+        self._graphs: PaddedPasses | None = None  # static block passes (CUDA graphs)
         self._pending = PendingContext()
         self.max_pending_context_bytes = MAX_PENDING_CONTEXT_BYTES
         # The rows of the target's LM head the draft scores (all of them, or its reduced
@@ -201,6 +203,16 @@ class DFlashProposer:
         self._kv = pool.layers(self.layer_names)
         self._backend = backend
 
+    def use_graphs(self, config: GraphConfig, pad: PadSpace) -> None:
+        """Run the block pass from static buffers, replaying a CUDA graph per number of
+        proposing requests (``engine.graphs``; after :meth:`bind`)."""
+        c = self.draft.config
+        q_len = self.num_speculative_tokens + 1
+        query = QueryShape(c.num_heads, c.head_dim, self.draft.norm.weight.dtype,
+                           c.head_dim**-0.5)
+        self._graphs = PaddedPasses(self._block_pass, self._kv[0], self._backend, self.device,
+                                    draft_sizes(config, q_len), pad, query, q_len, "draft")
+
     # -- proposing ---------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(
@@ -246,20 +258,29 @@ class DFlashProposer:
             return {}
         self._write_context(pending.take(bs, [r.request_id for r in proposing]))
         n = len(proposing)
-        ids = self._index(block_ids)
-        embeds = self.target.embed(ids)
-        if self.draft.mask_embedding is not None:
-            embeds = embeds.view(n, k + 1, -1).clone()
-            embeds[:, 1:] = self.draft.mask_embedding.to(embeds.dtype)
-            embeds = embeds.view(n * (k + 1), -1)
         batch = AttentionBatch(
             q_lens=(k + 1,) * n, kv_lens=tuple(kv_lens), block_tables=tuple(tables),
             slot_mapping=torch.tensor(block_slots, dtype=torch.long), causal=False,
             block_size=bs,
         )
-        meta = self._backend.build_metadata(batch, self.device)
-        hidden = self.draft(embeds, self._index(block_pos), meta, self._kv, block_len=k + 1)
-        return self.choose(proposing, hidden.view(n, k + 1, -1), ids.view(n, k + 1)[:, 0])
+        if self._graphs is not None and self._graphs.fits(batch):
+            hidden, = self._graphs.run(block_ids, block_pos, batch)
+        else:
+            meta = self._backend.build_metadata(batch, self.device)
+            hidden, = self._block_pass(self._index(block_ids), self._index(block_pos), meta)
+        anchors = torch.tensor(block_ids[:: k + 1], dtype=torch.long, device=self.device)
+        return self.choose(proposing, hidden.view(n, k + 1, -1), anchors)
+
+    def _block_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta
+                    ) -> tuple[torch.Tensor]:
+        """The draft's states ``[n*(K+1), H]`` for query blocks ``[token, MASK x K]``."""
+        q_len = self.num_speculative_tokens + 1
+        embeds = self.target.embed(ids)
+        if self.draft.mask_embedding is not None:
+            embeds = embeds.view(-1, q_len, embeds.shape[-1]).clone()
+            embeds[:, 1:] = self.draft.mask_embedding.to(embeds.dtype)
+            embeds = embeds.view(ids.shape[0], -1)
+        return (self.draft(embeds, positions, meta, self._kv, block_len=q_len),)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -25,6 +25,10 @@ class NgramProposer:
     def bind(self, pool, backend) -> None:
         return None
 
+    def use_graphs(self, config, pad) -> None:
+        """Nothing to capture: n-gram drafts are looked up on the host."""
+        return None
+
     def propose(
         self, items: list[ProposalItem], captured: torch.Tensor | None
     ) -> dict[str, list[int]]:

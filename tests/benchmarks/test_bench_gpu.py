@@ -20,6 +20,7 @@ def test_tiny_run_reports_every_case_and_greedy_equality(tmp_path):
                              "2", "--spec-tokens", "6", "--json", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["errors"] == []
+    assert report["notes"] == ["torch/graphs: not captured here (graphs need CUDA and flashinfer)"]
     rows = report["results"]
     assert [(r["backend"], r["mode"], r["batch"]) for r in rows] == [
         ("torch", "eager", 1), ("torch", "eager", 2)]
@@ -28,6 +29,7 @@ def test_tiny_run_reports_every_case_and_greedy_equality(tmp_path):
         assert r["ms_per_step"] > 0 and r["tok_per_s"] > 0
         assert r["gpu_busy"] is None  # no device timeline on the CPU
     (spec,) = report["speculative"]
+    assert spec["mode"] == "eager"
     assert [r["batch"] for r in spec["runs"]] == [1, 2]
     assert all(r["greedy_equal"] for r in spec["runs"])
     assert spec["drafts"]["num_drafts"] > 0  # drafts were really verified

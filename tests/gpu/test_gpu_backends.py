@@ -77,30 +77,66 @@ def test_flashinfer_matches_torch_backend(layout, dtypes, case):
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
-@pytest.mark.parametrize("backend", [pytest.param("flashinfer", marks=needs_flashinfer), "torch"])
-def test_greedy_speculation_equals_plain_greedy_on_gpu(tmp_path, backend, kv_dtype):
+def _save_target(folder) -> None:
+    """A random Qwen3 with FlashInfer's smallest head size (64)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from engine import LLM, SamplingParams
-    from models.dflash_init import draft_hf_config, random_draft, save_draft
-    from models.hf_folder import load_hf_config
-    from models.loader import decoder_config
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       max_position_embeddings=1024, initializer_range=0.2)
-    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "target")
+    Qwen3ForCausalLM(cfg).save_pretrained(folder)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", [pytest.param("flashinfer", marks=needs_flashinfer), "torch"])
+def test_greedy_speculation_equals_plain_greedy_on_gpu(tmp_path, backend, kv_dtype, eager):
+    from engine import LLM, SamplingParams
+    from models.dflash_init import draft_hf_config, random_draft, save_draft
+    from models.hf_folder import load_hf_config
+    from models.loader import decoder_config
+
+    _save_target(tmp_path / "target")
     target = decoder_config(load_hf_config(tmp_path / "target"))
     dcfg = draft_hf_config(target, num_layers=1, block_size=8, mask_token_id=511)
     save_draft(random_draft(dcfg, std=0.2), dcfg, tmp_path / "draft")
     prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), [7]]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    if backend == "torch" and not eager:
+        pytest.skip("the torch backend runs eagerly (graphs need flashinfer)")
     common = dict(model=str(tmp_path / "target"), dtype="bfloat16", device="cuda",
-                  attention_backend=backend, kv_cache_dtype=kv_dtype, kv_cache_memory="64MiB")
+                  attention_backend=backend, kv_cache_dtype=kv_dtype, kv_cache_memory="64MiB",
+                  enforce_eager=eager)
     plain = LLM(speculative_config=None, **common).generate(prompts, params)
-    spec = LLM(speculative_config={"method": "dflash", "model": str(tmp_path / "draft"),
-                                   "kv_cache_dtype": "bfloat16"}, **common).generate(prompts, params)
+    llm = LLM(speculative_config={"method": "dflash", "model": str(tmp_path / "draft"),
+                                  "kv_cache_dtype": "bfloat16", "adaptive": False}, **common)
+    assert (llm.engine.runner.graphs is None) == eager
+    spec = llm.generate(prompts, params)
     for a, b in zip(plain, spec):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_cuda_graphs_give_the_eager_tokens(tmp_path, kv_dtype):
+    """Decode steps replayed from captured graphs (padded to the ladder, pad rows on the
+    reserved block) give the tokens eager steps give; long prompts still prefill eagerly."""
+    from engine import LLM, SamplingParams
+
+    _save_target(tmp_path)
+    prompts = [[5, 17, 33, 99], list(range(3, 120)), [7], [9, 8, 7, 6, 5]]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    common = dict(model=str(tmp_path), dtype="bfloat16", device="cuda",
+                  attention_backend="flashinfer", kv_cache_dtype=kv_dtype,
+                  kv_cache_memory="64MiB", speculative_config=None, max_cudagraph_capture_size=16)
+    eager = LLM(enforce_eager=True, **common).generate(prompts, params)
+    llm = LLM(**common)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.config.sizes == (1, 2, 4, 8, 16)
+    replays = []
+    run = graphs.run
+    graphs.run = lambda *a: replays.append(1) or run(*a)
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in eager]
+    assert len(replays) >= 30

@@ -118,3 +118,23 @@ def test_serve_caps_the_cpu_kernel_caches_unless_the_operator_set_them(monkeypat
     monkeypatch.setattr(cli, "cap_kernel_caches", applied)
     with pytest.raises(Applied):
         cli.main(["serve", MODEL])
+
+
+def test_serve_flags_map_onto_engine_args() -> None:
+    """Every ``serve`` engine flag reaches ``EngineArgs``, defaults included (graphs: on unless
+    ``--enforce-eager``; they are only captured on CUDA with FlashInfer)."""
+    import dataclasses
+
+    from engine.args import EngineArgs
+    from server.cli import engine_kwargs_from, make_parser
+
+    args = make_parser().parse_args(["serve", "--device", "cpu"])
+    kwargs = engine_kwargs_from(args, "m")
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
+    defaults = EngineArgs()
+    assert kwargs["enforce_eager"] is False
+    assert kwargs["max_cudagraph_capture_size"] == defaults.max_cudagraph_capture_size == 512
+    args = make_parser().parse_args(["serve", "--device", "cpu", "--enforce-eager",
+                                     "--max-cudagraph-capture-size", "64"])
+    kwargs = engine_kwargs_from(args, "m")
+    assert kwargs["enforce_eager"] is True and kwargs["max_cudagraph_capture_size"] == 64
