@@ -122,8 +122,11 @@ class FlashInferBackend:
         self._wrappers: dict[tuple, object] = {}
         self._planned_by: dict[tuple, tuple] = {}  # wrapper key -> (metadata serial, plan key)
         self._serial = itertools.count()
-        plan = self._fi.BatchPrefillWithPagedKVCacheWrapper.plan
-        self.split_controls = "disable_split_kv" in inspect.signature(plan).parameters
+        plan = inspect.signature(self._fi.BatchPrefillWithPagedKVCacheWrapper.plan).parameters
+        self.split_controls = "disable_split_kv" in plan
+        # a graph plan sizes its query tile for the batch's worst case unless told every entry
+        # has the same number of queries (FA2 only)
+        self.uniform_hint = "uniform_q_len" in plan
         if not self.split_controls:
             log.warning("this FlashInfer has no disable_split_kv: decode and verify rows may "
                         "round differently, so greedy speculation may not equal plain greedy")
@@ -249,7 +252,9 @@ class FlashInferGraphMetadata:
     the index arrays into this wrapper's buffers) and writes its slots into static tensors,
     before the replay and outside the graph. :meth:`attend` (inside the graph) only writes
     K/V and runs. Each kind is planned as the eager backend plans it (rows: FA2, no KV split),
-    so a row gives the same result captured or not."""
+    so a row gives the same result captured or not; draft blocks are planned with FA2 and
+    their fixed query count (``uniform_q_len``), so the capture's query tile fits them (the
+    eager plan may choose another kernel: drafts need not match bit for bit)."""
 
     def __init__(self, backend: FlashInferBackend, size: int, q_len: int, max_pages: int,
                  query, kv: LayerKV) -> None:
@@ -262,8 +267,7 @@ class FlashInferGraphMetadata:
         self.num_kv_heads = kv.group.num_kv_heads
         i32 = dict(dtype=torch.int32, device=dev)
         self.wrapper = backend._fi.BatchPrefillWithPagedKVCacheWrapper(
-            backend.workspace, kv.layout, backend="fa2" if q_len == 1 else "auto",
-            use_cuda_graph=True,
+            backend.workspace, kv.layout, backend="fa2", use_cuda_graph=True,
             qo_indptr_buf=torch.arange(size + 1, **i32) * q_len,
             paged_kv_indptr_buf=torch.zeros(size + 1, **i32),
             paged_kv_indices_buf=torch.zeros(size * max_pages, **i32),
@@ -299,6 +303,8 @@ class FlashInferGraphMetadata:
                                  non_blocking=True)
         idx = build_paged_indices(planned)
         extra = self.backend.row_split_args() if self.q_len == 1 else {}
+        if self.backend.uniform_hint:
+            extra["uniform_q_len"] = self.q_len
         q = self.query
         self.wrapper.plan(
             *(_host(t, dev) for t in (idx.qo_indptr, idx.kv_indptr, idx.kv_indices,
