@@ -6,22 +6,22 @@ DFlash draft that checks greedy speculation against plain greedy.
     python benchmarks/bench_gpu.py --batch 1 32 --prompt-len 256 --backends flashinfer
     python benchmarks/bench_gpu.py --tiny                # a tiny model on the CPU (smoke test)
 
-For every backend x mode (eager; graphs when the engine has them) x batch x prompt length: the
+For every backend x mode (eager; graphs: CUDA graphs, FlashInfer only) x batch x prompt length: the
 requests are prefilled, a few decode steps warm up, then ``--decode-steps`` steps are timed
 (``ms_per_step``, decode ``tok_per_s``) and ``--profile-steps`` more run under
 ``torch.profiler``. ``gpu_busy`` is the GPU time of those steps (union of kernel, memcpy and
 memset intervals) per step, divided by the timed ``ms_per_step`` (the profiler slows the host
 down, so its own wall time would understate it). On the CPU there is no device timeline:
-``gpu_busy`` is null. The speculative run builds a random 1-layer DFlash draft
-(``models.dflash_init``), runs the same prompts with and without it, reports the speculative
-step cost and whether every greedy output is identical (acceptance of a random draft is
+``gpu_busy`` is null. The speculative run (with graphs when the backend captured them) builds a
+random 1-layer DFlash draft (``models.dflash_init``), runs the same prompts with and without
+it, verifying K drafts every step, reports the speculative step cost and whether every greedy
+output is identical (acceptance of a random draft is
 meaningless; cost and exactness are the point). ``--json`` writes everything.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import sys
@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.args import EngineArgs  # noqa: E402
+from engine.args import graph_config  # noqa: E402
 
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
@@ -48,8 +48,6 @@ TINY = {
     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
 }
-# the engine captures CUDA graphs when it has this switch (vLLM's name); eager otherwise
-HAS_GRAPHS = "enforce_eager" in {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -105,10 +103,8 @@ def build_llm(args, folder: Path, backend: str, mode: str, spec: dict | None = N
         max_model_len=max(args.prompt_len + [args.spec_prompt_len]) + 256,
         max_num_seqs=max(args.batch + args.spec_batch),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        speculative_config=spec,
+        speculative_config=spec, enforce_eager=mode == "eager",
     )
-    if HAS_GRAPHS:
-        kwargs["enforce_eager"] = mode == "eager"
     return LLM(**kwargs)
 
 
@@ -281,23 +277,22 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": "tiny" if args.tiny else "qwen3-8b", "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-        "graphs_available": HAS_GRAPHS, "results": [], "speculative": [], "errors": [], "notes": [],
+        "results": [], "speculative": [], "errors": [], "notes": [],
     }
-    modes = [m for m in args.modes if m == "eager" or HAS_GRAPHS]
+    modes = args.modes
     for backend in args.backends:
         captured = False
         for mode in modes:
+            if mode == "graphs" and graph_config(device, backend, 1, False, 512) is None:
+                note = f"{backend}/graphs: not captured here (graphs need CUDA and flashinfer)"
+                report["notes"].append(note)
+                print(f"SKIP {note}", flush=True)
+                continue
             try:
                 llm = build_llm(args, folder, backend, mode)
             except Exception as exc:  # noqa: BLE001 - report and go on with the others
                 report["errors"].append(f"{backend}/{mode}: {type(exc).__name__}: {exc}")
                 print(f"SKIP {backend}/{mode}: {exc}", flush=True)
-                continue
-            if mode == "graphs" and llm.engine.runner.graphs is None:
-                note = f"{backend}/graphs: not captured here (graphs need CUDA and flashinfer)"
-                report["notes"].append(note)
-                print(f"SKIP {note}", flush=True)
-                _free(llm)
                 continue
             captured = captured or mode == "graphs"
             for prompt_len in args.prompt_len:
