@@ -93,8 +93,23 @@ def write_kv(
     idx = slots if isinstance(slots, SlotIndex) else SlotIndex.build(slots, kv.block_size)
     if idx.keep is not None:
         k, v = k.index_select(0, idx.keep), v.index_select(0, idx.keep)
+    ops = _store_ops(kv, k, v)
+    if ops is not None:  # the same copies in one call (no stack, no index_put)
+        ops.store_kv(kv.logical, k, v, idx.blocks, idx.offsets)
+        return
     kv_new = torch.stack((quantize(k, kv.dtype, kv.k_scale), quantize(v, kv.dtype, kv.v_scale)), 1)
     kv.logical[idx.blocks, :, idx.offsets] = kv_new  # [N, 2, H, D]
+
+
+def _store_ops(kv: LayerKV, k: torch.Tensor, v: torch.Tensor):
+    """The compiled CPU writer when it applies: a CPU cache in the dtype of ``k`` and ``v``
+    (nothing to quantize), no gradient recorded, last dims contiguous; else ``None``."""
+    if (kv.physical.device.type != "cpu" or k.dtype != kv.dtype or v.dtype != kv.dtype
+            or torch.is_grad_enabled() or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return None
+    from attention import cpu_kernel
+
+    return cpu_kernel.load()
 
 
 def gather_kv(

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -216,4 +217,46 @@ std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tenso
     });
   });
   return {q, k};
+}
+
+// Write the rows of k and v [N, H, D] (last dim contiguous) to their slots of one layer's
+// logical cache view [blocks, 2, bs, H, D] (either layout; same dtype as k and v): row n goes
+// to (blocks[n], offsets[n]). A plain copy per head row, with no temporary: what the stack and
+// index_put of the Python writer do, without their per-call overhead.
+void store_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
+              torch::Tensor offsets) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(1) == 2 && cache.stride(4) == 1,
+              "cache must be a [blocks, 2, bs, H, D] view with a contiguous last dim");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v must be [N, H, D] with a contiguous last dim");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k, v and the cache must share a dtype");
+  TORCH_CHECK(k.size(1) == cache.size(3) && k.size(2) == cache.size(4), "head shapes differ");
+  TORCH_CHECK(blocks.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
+                  blocks.is_contiguous() && offsets.is_contiguous() &&
+                  blocks.numel() == k.size(0) && offsets.numel() == k.size(0),
+              "blocks and offsets must be contiguous int64 [N]");
+  const int64_t n = k.size(0), heads = k.size(1);
+  const int64_t row_bytes = k.size(2) * k.element_size();
+  const int64_t* blk = blocks.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(blk[i] >= 0 && blk[i] < cache.size(0) && off[i] >= 0 && off[i] < cache.size(2),
+                "slot (", blk[i], ", ", off[i], ") is outside the cache");
+  }
+  char* base = static_cast<char*>(cache.data_ptr());
+  const int64_t es = cache.element_size();
+  const int64_t s_blk = cache.stride(0) * es, s_kv = cache.stride(1) * es,
+                s_tok = cache.stride(2) * es, s_head = cache.stride(3) * es;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_row = k.stride(0) * es, k_head = k.stride(1) * es;
+  const int64_t v_row = v.stride(0) * es, v_head = v.stride(1) * es;
+  for (int64_t i = 0; i < n; ++i) {
+    char* dst = base + blk[i] * s_blk + off[i] * s_tok;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(dst + h * s_head, kp + i * k_row + h * k_head, row_bytes);
+      std::memcpy(dst + s_kv + h * s_head, vp + i * v_row + h * v_head, row_bytes);
+    }
+  }
 }

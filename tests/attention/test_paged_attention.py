@@ -303,6 +303,33 @@ def test_writer_places_tokens_at_slots_in_both_layouts(dtype_name: str) -> None:
     assert torch.equal(pages["NHD"].logical.float(), pages["HND"].logical.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_writer_matches_the_python_writer(layout: str, dtype: torch.dtype) -> None:
+    """K/V already in the cache dtype go through the compiled copy (``store_kv``); V as the
+    strided view the QKV projection hands over; the pages equal those of the Python writer."""
+    from attention import cpu_kernel
+    from attention.kv import _store_ops
+
+    if not cpu_kernel.available():
+        pytest.skip("CPU kernels not built here")
+    bs, h, d = 4, 3, 8
+    qkv = torch.randn(11, 2 * h + 2, d).to(dtype)
+    k, v = qkv[:, 2 : 2 + h], qkv[:, 2 + h :]  # views: k strided over heads of the row, v too
+    slots = slots_of([6, 1, 3], 1, 12, bs)
+    fast, slow = make_layer(dtype, layout, 8, bs, h, d), make_layer(dtype, layout, 8, bs, h, d)
+    with torch.inference_mode():
+        assert _store_ops(fast, k, v) is not None
+        write_kv(fast, k, v, slots)
+    with torch.enable_grad():  # the Python path (the compiled one records no gradient)
+        assert _store_ops(slow, k, v) is None
+        write_kv(slow, k, v, slots)
+    assert torch.equal(fast.physical, slow.physical) and fast.physical.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernel.load().store_kv(fast.logical, k[:1], v[:1], torch.tensor([8]),
+                                   torch.tensor([0]))
+
+
 def test_writer_skips_negative_slots() -> None:
     """ref/kvcache.md 6.4: the shared writer skips slots < 0 (padding tokens). Slot -1 must not
     land in the last block of the pool."""
