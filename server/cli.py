@@ -29,22 +29,10 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # requests (docs/hardening.md). Read when the first kernel is built, so set before the engine
 # starts; an operator's own value wins.
 KERNEL_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
-# PyTorch's CPU allocator backs allocations of 2 MiB and more with transparent huge pages when
-# this is set (Linux with THP in "madvise" mode, the common default), so the KV pool and the
-# weights are read through far fewer TLB entries. Measured on a 2-vCPU EPYC (bf16, 32 requests
-# at ~300-token contexts, three process pairs): decode step 0.89-0.96x the time, attention
-# 16.6-17.2 ms against 19.4-21.8 ms. Read once, at torch's first allocation: set before torch
-# is imported. An operator's own value wins.
-MEMORY_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def cap_kernel_caches(environ: MutableMapping[str, str] = os.environ) -> None:
     for name, value in KERNEL_CACHE_ENV.items():
-        environ.setdefault(name, value)
-
-
-def use_huge_pages(environ: MutableMapping[str, str] = os.environ) -> None:
-    for name, value in MEMORY_ENV.items():
         environ.setdefault(name, value)
 
 
@@ -142,8 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks.bench_serve import main as bench_main
 
         return bench_main(argv[1:])
-    if argv[:1] == ["serve"] and "torch" not in sys.modules:
-        use_huge_pages()  # before the parser's imports load torch
     args = make_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -120,28 +120,6 @@ def test_serve_caps_the_cpu_kernel_caches_unless_the_operator_set_them(monkeypat
         cli.main(["serve", MODEL])
 
 
-def test_serve_uses_huge_pages_unless_the_operator_said_otherwise() -> None:
-    """`specserve serve` sets THP_MEM_ALLOC_ENABLE before torch loads (torch reads it once);
-    the server process then holds its KV pool in huge pages where the kernel allows them."""
-    from server import cli
-
-    env = {}
-    cli.use_huge_pages(env)
-    assert env == {"THP_MEM_ALLOC_ENABLE": "1"}
-    env = {"THP_MEM_ALLOC_ENABLE": "0"}
-    cli.use_huge_pages(env)
-    assert env == {"THP_MEM_ALLOC_ENABLE": "0"}
-    probe = ("import os, sys; sys.argv = ['specserve', 'serve', '--help']\n"
-             "from server import cli\n"
-             "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-             "import torch\n"
-             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), 'torch' in sys.modules)")
-    env = {k: v for k, v in ENV.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.stdout.strip().splitlines()[-1] == "1 True", out.stderr[-2000:]
-
-
 def test_serve_flags_map_onto_engine_args() -> None:
     """Every ``serve`` engine flag reaches ``EngineArgs``, defaults included (graphs: on unless
     ``--enforce-eager``; they are only captured on CUDA with FlashInfer)."""
