@@ -48,8 +48,9 @@ def plan_pool(
             f"{block_size} tokens ({bytes_per_block / 2**10:.1f} KiB per block across {layers} "
             f"layers); one request of max_model_len={max_model_len} plus {lookahead} look-ahead "
             f"tokens needs {needed - reserved_blocks} blocks"
-            f"{f' (plus {reserved_blocks} reserved)' if reserved_blocks else ''}. Lower --max-model-len or raise --kv-cache-memory "
-            f"to at least {needed * bytes_per_block / 2**20:.1f} MiB"
+            f"{f' (plus {reserved_blocks} reserved)' if reserved_blocks else ''}. Lower "
+            f"--max-model-len or raise --kv-cache-memory to at least "
+            f"{needed * bytes_per_block / 2**20:.1f} MiB"
         )
     return PoolPlan(num_blocks=num_blocks, bytes_per_block=bytes_per_block)
 

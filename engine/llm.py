@@ -24,7 +24,7 @@ class LLM:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> LLM:
-        """An LLM over an already resolved config (e.g. one adjusted with ``dataclasses.replace``)."""
+        """An LLM over an already resolved config (e.g. one changed by ``dataclasses.replace``)."""
         llm = cls.__new__(cls)
         llm.engine_config = config
         llm.engine = LLMEngine(config)
