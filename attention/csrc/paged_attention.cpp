@@ -325,8 +325,16 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       std::fill(acc.begin(), acc.end(), 0.0f);
       const int64_t vstride = nh * D;
       for (int64_t j0 = 0; j0 < n_max; j0 += kLanes) {
-        if (j0 + kLanes < n_max)
+        if (j0 + kLanes < n_max) {
           prefetch_block(cache, geo, table, h0, nh, 1, j0 + kLanes, n_max, D);
+        } else {  // the last V block: the next tasks (either thread's) start with K's first
+          for (int64_t next = task + 1; next <= task + 2 && next < num_tasks; ++next) {
+            const int64_t tn = next / head_split, hn = (next % head_split) * nh;
+            const int64_t bn = task_req[tn];
+            prefetch_block(cache, geo, geo.tables + bn * geo.table_stride, hn, nh, 0, 0,
+                           kv_lens[bn], D);
+          }
+        }
         load_block(cache, geo, table, h0, nh, 1, j0, n_max, D, v_scale, use_scale, false,
                    vblk.data());
         for (int64_t r = 0; r < rows; ++r) {

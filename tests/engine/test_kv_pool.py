@@ -229,3 +229,27 @@ def test_engine_pool_dtype_and_size(tiny_llama_dir) -> None:
     # 2 layers x 2 (K, V) x 16 tokens x 2 heads x 16 dims x 1 byte
     bpb = 2 * 2 * 16 * 2 * 16 * 1
     assert engine.pool.num_blocks == (1 << 20) // bpb == engine.blocks.num_blocks
+
+
+def test_cpu_pool_pages_advised_huge_and_zeroed():
+    """The CPU pool asks for transparent huge pages before touching its pages (the attention
+    kernel reads K/V through fewer TLB entries) and still starts zeroed."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from engine.kv_pool import advise_huge_pages
+
+    assert advise_huge_pages(torch.empty(1024)) is False  # under 2 MiB: nothing to advise
+    big = torch.empty(8 << 20, dtype=torch.uint8)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform.startswith("linux") and thp.exists():  # a kernel built with THP
+        assert advise_huge_pages(big) is True
+    from attention.groups import LayerKVSpec, build_groups
+    from engine.kv_pool import KVPool
+
+    groups = build_groups([LayerKVSpec("l0", "target", 2, 64, "bfloat16", 128)], torch.bfloat16)
+    pool = KVPool(list(groups.values()), 64, "NHD", torch.device("cpu"))
+    pages = pool.layer("l0").physical
+    assert pages.numel() * pages.element_size() >= 2 << 20 and not pages.any()
