@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attention import cpu_kernel
 from attention.dtypes import is_fp8
 from attention.groups import GroupSpec
 
@@ -107,8 +108,6 @@ def _store_ops(kv: LayerKV, k: torch.Tensor, v: torch.Tensor):
     if (kv.physical.device.type != "cpu" or k.dtype != kv.dtype or v.dtype != kv.dtype
             or torch.is_grad_enabled() or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
-    from attention import cpu_kernel
-
     return cpu_kernel.load()
 
 

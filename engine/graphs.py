@@ -27,13 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from attention.backends.base import AttentionBackend, AttentionBatch
+from attention.backends.flashinfer_backend import ROW_MAX_Q  # the only target plan graphed
 from attention.kv import LayerKV
 from engine.config import GraphConfig
 
 log = logging.getLogger("specserve.engine")
-
-ROW_MAX_Q = 64  # the FlashInfer backend attends requests with at most this many new tokens
-#                 as single-query rows (its ``row_max_q``): the only target plan a graph replays
 
 
 @dataclass(frozen=True)
@@ -146,7 +144,7 @@ class PaddedPasses:
         n = batch.num_tokens
         size = self.config.size_for(self.entries(batch))
         padded = self.pad(batch, size)
-        tokens = size * self.q_len if self.q_len > 1 else size
+        tokens = size * self.q_len
         self._load_inputs(ids, positions, tokens)
         if not self.config.capture:
             meta = self.backend.build_metadata(padded, self.device)

@@ -104,8 +104,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One target pass (tensor parallelism overrides this to send it to every rank)."""
         if self.graphs is not None and self.graphs.fits(batch):
-            hidden, captured = self.graphs.run(ids, positions, batch)
-            return hidden, captured
+            return self.graphs.run(ids, positions, batch)
         meta = self.backend.build_metadata(batch, self.device)
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=self.device),

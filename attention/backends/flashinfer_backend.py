@@ -293,14 +293,12 @@ class FlashInferGraphMetadata:
     def prepare(self, batch: AttentionBatch) -> None:
         """Plan the pass and load its slots (host work and asynchronous copies only)."""
         planned = self._planned_batch(batch)
-        slots = batch.slot_mapping.cpu()
-        if bool((slots < 0).any()):
+        host = SlotIndex.build(batch.slot_mapping.cpu(), batch.block_size)
+        if host.keep is not None:
             raise ValueError("a graphed pass needs a slot for every query (pad entries too)")
-        blocks = torch.div(slots, batch.block_size, rounding_mode="floor")
         dev = self.backend.device
-        self.slots.blocks.copy_(_host(blocks, dev), non_blocking=True)
-        self.slots.offsets.copy_(_host(slots - blocks * batch.block_size, dev),
-                                 non_blocking=True)
+        self.slots.blocks.copy_(_host(host.blocks, dev), non_blocking=True)
+        self.slots.offsets.copy_(_host(host.offsets, dev), non_blocking=True)
         idx = build_paged_indices(planned)
         extra = self.backend.row_split_args() if self.q_len == 1 else {}
         if self.backend.uniform_hint:

@@ -268,7 +268,7 @@ class DFlashProposer:
         else:
             meta = self._backend.build_metadata(batch, self.device)
             hidden, = self._block_pass(self._index(block_ids), self._index(block_pos), meta)
-        anchors = torch.tensor(block_ids[:: k + 1], dtype=torch.long, device=self.device)
+        anchors = self._index(block_ids[:: k + 1])
         return self.choose(proposing, hidden.view(n, k + 1, -1), anchors)
 
     def _block_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta
