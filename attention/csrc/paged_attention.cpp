@@ -1,21 +1,27 @@
 // Batch-invariant paged attention for the CPU.
 //
 // Every query row is computed by the same sequence of floating-point operations, which depends
-// only on that row's query vector, its visible K/V positions (0..n-1 of its request) and the
-// head size: not on the batch, the other requests, the request's query length or the thread
-// that runs it. So a decode row (q_len = 1) and the same position inside a verify block
-// (q_len = K + 1) give bitwise identical outputs, alone or in any batch.
+// only on that row's query vector, its visible K/V positions (0..n-1 of its request), the head
+// size and the cache dtype: not on the batch, the other requests, the request's query length or
+// the thread that runs it. So a decode row (q_len = 1) and the same position inside a verify
+// block (q_len = K + 1) give bitwise identical outputs, alone or in any batch.
 //
-// Per row: scores s_j = (q . k_j) * scale for j < n (K read as 16-position blocks converted to
-// float, each score summed over d in 16 lanes in order, then the lanes in one fixed tree), m = max s, p_j = exp(s_j - m) with a fixed
-// polynomial exp, l = sum p_j in 16 fixed lanes, o = sum_j p_j v_j in order of j, out = o / l.
-// Built with -ffp-contract=off so vector and scalar code paths perform the same IEEE ops.
+// Per row: scores s_j = (q . k_j) * scale for j < n (K read in 16-position blocks, each score
+// summed over d in 16 lanes in order, then the lanes in one fixed tree), m = max s,
+// p_j = exp(s_j - m) with a fixed polynomial exp, l = sum p_j in 16 fixed lanes,
+// o = sum_j p_j v_j in order of j, out = o / l. Built with -ffp-contract=off so vector and
+// scalar code paths perform the same IEEE ops.
+//
+// Two ways to read K/V, chosen by cache dtype and head size only: bfloat16 pages with a head
+// size of 64 or 128 are converted in registers where they are used (and d is visited in a fixed
+// permuted order, see bf16x32); every other case converts each 16-position block to a float
+// buffer first (load_block).
 //
 // Work is split into tasks (request, tile of query positions), each over every kv head, so a
 // task sweeps each page's K (then V) of all heads at once (in NHD one run of memory per
 // position); when there are too few to busy every thread (a lone decode), one task per kv head.
-// A task shares each converted K/V block between its rows (heads x positions), which changes
-// no row's result.
+// A task shares each K/V block between its rows (heads x positions), which changes no row's
+// result.
 
 #include "cpu_common.h"
 
@@ -25,6 +31,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {
@@ -158,6 +169,24 @@ inline const T* row_ptr(const T* base, const Geometry& g, const int64_t* table, 
          (j % g.block_size) * g.stride_tok + h * g.stride_head;
 }
 
+// Rows of kv head 0 (K or V) of positions j0 .. j0 + 15 that are < n_valid, into ``rows``;
+// returns how many. One page lookup when the 16 positions share a page (j0 is a multiple of
+// 16, so whenever the block size is too), else one per position: no integer division per row.
+template <typename T>
+inline int block_rows(const T* base, const Geometry& g, const int64_t* table, int which,
+                      int64_t j0, int64_t n_valid, const T** rows) {
+  const int n = static_cast<int>(std::min<int64_t>(kLanes, n_valid - j0));
+  const int64_t off = j0 % g.block_size;
+  if (off + kLanes <= g.block_size) {
+    const T* p = base + table[j0 / g.block_size] * g.stride_block + which * g.stride_kv +
+                 off * g.stride_tok;
+    for (int l = 0; l < n; ++l) rows[l] = p + l * g.stride_tok;
+  } else {
+    for (int l = 0; l < n; ++l) rows[l] = row_ptr(base, g, table, 0, which, j0 + l);
+  }
+  return n;
+}
+
 // Ask for the rows of positions [j0, j0 + 16) of kv heads [h0, h0 + nh) ahead of their use.
 // Always inlined: a separate function holding nothing but prefetches has no side effects as
 // far as GCC's interprocedural analysis is concerned, and GCC 12 deleted every call to it
@@ -168,9 +197,11 @@ __attribute__((always_inline)) inline void prefetch_block(
     const T* base, const Geometry& g, const int64_t* table, int64_t h0, int64_t nh, int which,
     int64_t j0, int64_t n_valid, int64_t D) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int l = 0; l < kLanes && j0 + l < n_valid; ++l)
+  const T* rows[kLanes];
+  const int n = block_rows(base, g, table, which, j0, n_valid, rows);
+  for (int l = 0; l < n; ++l)
     for (int64_t h = h0; h < h0 + nh; ++h) {
-      const char* src = reinterpret_cast<const char*>(row_ptr(base, g, table, h, which, j0 + l));
+      const char* src = reinterpret_cast<const char*>(rows[l] + h * g.stride_head);
       for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(src + off, 0, 1);
     }
 }
@@ -182,16 +213,17 @@ template <typename T>
 inline void load_block(const T* base, const Geometry& g, const int64_t* table, int64_t h0,
                        int64_t nh, int which, int64_t j0, int64_t n_valid, int64_t D,
                        float scale, bool use_scale, bool transpose, float* dst) {
+  const T* rows[kLanes];
+  const int n = block_rows(base, g, table, which, j0, n_valid, rows);
   for (int l = 0; l < kLanes; ++l) {
-    const int64_t j = j0 + l;
     for (int64_t hh = 0; hh < nh; ++hh) {
-      if (j >= n_valid) {
+      if (l >= n) {
         for (int64_t d = 0; d < D; ++d) {
           if (transpose) dst[(hh * D + d) * kLanes + l] = 0.0f; else dst[(l * nh + hh) * D + d] = 0.0f;
         }
         continue;
       }
-      const T* src = row_ptr(base, g, table, h0 + hh, which, j);
+      const T* src = rows[l] + (h0 + hh) * g.stride_head;
       if (transpose) {
         for (int64_t d = 0; d < D; ++d) {
           float f = to_float(src[d]);
@@ -207,12 +239,243 @@ inline void load_block(const T* base, const Geometry& g, const int64_t* table, i
   }
 }
 
+// ---- bfloat16 pages, head size 64 or 128: K/V converted in registers, shared by a group ----
+//
+// A bfloat16 is the top half of a float, so 32 of them loaded as 16 32-bit words give two float
+// vectors with one integer op each: word << 16 holds the even-indexed elements, word & 0xffff0000
+// the odd-indexed ones. Rows are therefore computed in a fixed permuted order of d (per 32
+// elements: the 16 even ones, then the 16 odd ones): the query is stored permuted, scores sum
+// over d in that order (a different fixed order than the buffered path, the same for every row),
+// and the output is permuted back. The rows of one kv head in a task are computed a group at a
+// time, so each K/V row is loaded and converted once per group rather than once per query row.
+
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline void bf16x32(const c10::BFloat16* src, v16& even, v16& odd) {
+  u32x16 w;
+  std::memcpy(&w, src, sizeof(w));
+  const u32x16 e = w << 16, o = w & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof(even));
+  std::memcpy(&odd, &o, sizeof(odd));
+}
+
+// A query row as floats in the permuted order (per 32 elements: the even ones, then the odd).
+template <typename QT>
+inline void permute_row(const QT* src, float* dst, int64_t D) {
+  for (int64_t c = 0; c < D; c += 2 * kLanes)
+    for (int i = 0; i < kLanes; ++i) {
+      dst[c + i] = to_float(src[c + 2 * i]);
+      dst[c + kLanes + i] = to_float(src[c + 2 * i + 1]);
+    }
+}
+
+template <>
+inline void permute_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
+  for (int64_t c = 0; c < D; c += 2 * kLanes) {
+    v16 even, odd;
+    bf16x32(src + c, even, odd);
+    std::memcpy(dst + c, &even, sizeof(even));
+    std::memcpy(dst + c + kLanes, &odd, sizeof(odd));
+  }
+}
+
+// The inverse of permute_row, dividing by ``l`` on the way out.
+template <typename QT>
+inline void unpermute_row(const float* src, float l, QT* dst, int64_t D) {
+  for (int64_t c = 0; c < D; c += 2 * kLanes)
+    for (int i = 0; i < kLanes; ++i) {
+      dst[c + 2 * i] = static_cast<QT>(src[c + i] / l);
+      dst[c + 2 * i + 1] = static_cast<QT>(src[c + kLanes + i] / l);
+    }
+}
+
+// Rows per group: their accumulators stay in registers (NR * C of them, plus C for K/V).
+constexpr int group_rows(int C) { return C <= 4 ? 4 : 2; }
+
+// Scores of NR rows against 16 K rows: per row, each score is 16 lanes summed over (permuted) d
+// in order, then reduce16's tree; ``part`` is [NR][16] scratch.
+template <int C, int NR>
+inline void qk_bf16(float* const* s, const float* const* q, const c10::BFloat16* const* krow,
+                    float scale, v16* __restrict part) {
+#pragma GCC unroll 16
+  for (int l = 0; l < kLanes; ++l) {
+    v16 k[C];
+    for (int c = 0; c < C; c += 2) bf16x32(krow[l] + c * kLanes, k[c], k[c + 1]);
+    for (int r = 0; r < NR; ++r) {
+      v16 qv;
+      std::memcpy(&qv, q[r], sizeof(v16));
+      v16 a = qv * k[0];
+      for (int c = 1; c < C; ++c) {
+        std::memcpy(&qv, q[r] + c * kLanes, sizeof(v16));
+        a = a + qv * k[c];
+      }
+      part[r * kLanes + kSlot[l]] = a;
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const v16 out = reduce16(part + r * kLanes) * scale;
+    std::memcpy(s[r], &out, sizeof(out));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// With AVX512-BF16 and a bfloat16 query, scores come from bfloat16 dot-product instructions:
+// lane i of each 16-lane partial sum adds q[2i] * k[2i] and q[2i + 1] * k[2i + 1] (products of
+// two bfloat16 are exact in float) per 32 elements in order of d, then reduce16's tree; no K
+// conversion at all. The query row is read as stored (natural order of d).
+constexpr bool kBf16Dot = true;
+
+template <int C, int NR>
+inline void qk_dot_bf16(float* const* s, const c10::BFloat16* const* q,
+                        const c10::BFloat16* const* krow, float scale, v16* __restrict part) {
+  constexpr int P = C / 2;  // 32-element vectors per row
+  __m512bh qv[NR][P];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < P; ++c) qv[r][c] = (__m512bh)_mm512_loadu_si512(q[r] + 32 * c);
+#pragma GCC unroll 16
+  for (int l = 0; l < kLanes; ++l) {
+    __m512bh k[P];
+    for (int c = 0; c < P; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow[l] + 32 * c);
+    for (int r = 0; r < NR; ++r) {
+      __m512 a = _mm512_setzero_ps();
+      for (int c = 0; c < P; ++c) a = _mm512_dpbf16_ps(a, qv[r][c], k[c]);
+      part[r * kLanes + kSlot[l]] = a;
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const v16 out = reduce16(part + r * kLanes) * scale;
+    std::memcpy(s[r], &out, sizeof(out));
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// acc_r += sum over l < lmax[r] of p_r[l] * v[l] in order of l, for NR rows (permuted d).
+template <int C, int NR>
+inline void pv_bf16(float* const* acc, const float* const* p, const int64_t* lmax,
+                    const c10::BFloat16* const* vrow) {
+  v16 a[NR][C];
+  int64_t lmax_all = 0;
+  for (int r = 0; r < NR; ++r) {
+    std::memcpy(a[r], acc[r], sizeof(a[r]));
+    lmax_all = std::max(lmax_all, lmax[r]);
+  }
+  for (int64_t l = 0; l < lmax_all; ++l) {
+    v16 v[C];
+    for (int c = 0; c < C; c += 2) bf16x32(vrow[l] + c * kLanes, v[c], v[c + 1]);
+    for (int r = 0; r < NR; ++r) {
+      if (l >= lmax[r]) continue;
+      const float pl = p[r][l];
+      for (int c = 0; c < C; ++c) a[r][c] = a[r][c] + pl * v[c];
+    }
+  }
+  for (int r = 0; r < NR; ++r) std::memcpy(acc[r], a[r], sizeof(a[r]));
+}
+
+// Rows of a task are position-major, then kv head, then that head's G query heads; the rows of
+// kv head hh still active at block j0 are collected in groups and handed to ``fn(nr, rows)``.
+template <int NRMAX, typename Fn>
+inline void for_head_groups(int64_t hh, int64_t nh, int64_t G, int64_t rows, int64_t j0,
+                            const int64_t* n_of, Fn&& fn) {
+  int64_t group[NRMAX];
+  int nr = 0;
+  for (int64_t r0 = hh * G; r0 < rows; r0 += nh * G)
+    for (int64_t g = 0; g < G; ++g) {
+      if (j0 >= n_of[r0 + g]) continue;
+      group[nr++] = r0 + g;
+      if (nr == NRMAX) {
+        fn(nr, group);
+        nr = 0;
+      }
+    }
+  if (nr) fn(nr, group);
+}
+
+template <int C>
+void score_block_bf16(const c10::BFloat16* cache, const Geometry& geo, const int64_t* table,
+                      int64_t h0, int64_t nh, int64_t G, int64_t rows, int64_t j0,
+                      int64_t n_max, const int64_t* n_of, const float* qf,
+                      const c10::BFloat16* qb, float* scores, int64_t n_pad, float scale,
+                      const c10::BFloat16* zero) {
+  constexpr int NR = group_rows(C);
+  const c10::BFloat16* base[kLanes];
+  const int n = block_rows(cache, geo, table, 0, j0, n_max, base);
+  v16 part[NR * kLanes];
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const c10::BFloat16* krow[kLanes];
+    for (int l = 0; l < kLanes; ++l)
+      krow[l] = l < n ? base[l] + (h0 + hh) * geo.stride_head : zero;
+    for_head_groups<NR>(hh, nh, G, rows, j0, n_of, [&](int nr, const int64_t* group) {
+      float* s[NR];
+      const float* q[NR];
+      for (int i = 0; i < nr; ++i) s[i] = scores + group[i] * n_pad + j0;
+#if defined(__AVX512BF16__)
+      if (qb != nullptr) {
+        const c10::BFloat16* qr[NR];
+        for (int i = 0; i < nr; ++i) qr[i] = qb + group[i] * C * kLanes;
+        switch (nr) {
+          case 1: qk_dot_bf16<C, 1>(s, qr, krow, scale, part); break;
+          case 2: qk_dot_bf16<C, 2>(s, qr, krow, scale, part); break;
+          case 3: if constexpr (NR >= 3) qk_dot_bf16<C, 3>(s, qr, krow, scale, part); break;
+          default: if constexpr (NR >= 4) qk_dot_bf16<C, 4>(s, qr, krow, scale, part); break;
+        }
+        return;
+      }
+#endif
+      for (int i = 0; i < nr; ++i) q[i] = qf + group[i] * C * kLanes;
+      switch (nr) {
+        case 1: qk_bf16<C, 1>(s, q, krow, scale, part); break;
+        case 2: qk_bf16<C, 2>(s, q, krow, scale, part); break;
+        case 3: if constexpr (NR >= 3) qk_bf16<C, 3>(s, q, krow, scale, part); break;
+        default: if constexpr (NR >= 4) qk_bf16<C, 4>(s, q, krow, scale, part); break;
+      }
+    });
+  }
+}
+
+template <int C>
+void value_block_bf16(const c10::BFloat16* cache, const Geometry& geo, const int64_t* table,
+                      int64_t h0, int64_t nh, int64_t G, int64_t rows, int64_t j0,
+                      int64_t n_max, const int64_t* n_of, const float* scores, int64_t n_pad,
+                      float* acc) {
+  constexpr int NR = group_rows(C);
+  const c10::BFloat16* base[kLanes];
+  block_rows(cache, geo, table, 1, j0, n_max, base);
+  for (int64_t hh = 0; hh < nh; ++hh) {
+    const c10::BFloat16* vrow[kLanes];
+    // rows past n_max are never read (every lmax stops before them)
+    for (int l = 0; l < kLanes && j0 + l < n_max; ++l)
+      vrow[l] = base[l] + (h0 + hh) * geo.stride_head;
+    for_head_groups<NR>(hh, nh, G, rows, j0, n_of, [&](int nr, const int64_t* group) {
+      float* a[NR];
+      const float* p[NR];
+      int64_t lmax[NR];
+      for (int i = 0; i < nr; ++i) {
+        a[i] = acc + group[i] * C * kLanes;
+        p[i] = scores + group[i] * n_pad + j0;
+        lmax[i] = std::min<int64_t>(kLanes, n_of[group[i]] - j0);
+      }
+      switch (nr) {
+        case 1: pv_bf16<C, 1>(a, p, lmax, vrow); break;
+        case 2: pv_bf16<C, 2>(a, p, lmax, vrow); break;
+        case 3: if constexpr (NR >= 3) pv_bf16<C, 3>(a, p, lmax, vrow); break;
+        default: if constexpr (NR >= 4) pv_bf16<C, 4>(a, p, lmax, vrow); break;
+      }
+    });
+  }
+}
+
 template <typename QT, typename T>
 void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
          const int64_t* q_indptr, const int64_t* kv_lens, int64_t num_reqs, int64_t Hq,
          int64_t Hkv, int64_t D, bool causal, float scale, float k_scale, float v_scale,
          bool use_scale, int64_t tile) {
   const int64_t G = Hq / Hkv;
+  // bfloat16 pages (no fp8 scale) with a head size of 64 or 128: the register-converting path
+  const bool fast = std::is_same_v<T, c10::BFloat16> && (D == 64 || D == 128);
+  // ... whose scores use bfloat16 dot products when the query is bfloat16 too and the CPU has them
+  const bool dot = fast && kBf16Dot && std::is_same_v<QT, c10::BFloat16>;
   // (query row, position) pairs: tiny calls run on the calling thread. On a quiet 2-core EPYC
   // a second thread already paid from one 220-token decode row of 9 heads (0.023 -> 0.017 ms)
   // and halved 32 such rows (0.71 -> 0.37 ms); the earlier threshold of 64k pairs had been
@@ -242,6 +505,9 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> kblk(kLanes * nh * D), vblk(kLanes * nh * D), qf, scores, acc, denom;
+    std::vector<T> zero(D);
+    std::vector<c10::BFloat16> qb;
+    std::memset(static_cast<void*>(zero.data()), 0, D * sizeof(T));
     std::vector<int64_t> n_of;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
@@ -268,7 +534,15 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       for (int64_t i = i0; i < i1; ++i) {
         const QT* src = q + ((q_indptr[b] + i) * Hq + h0 * G) * D;
         float* dst = qf.data() + (i - i0) * per_pos * D;
-        for (int64_t e = 0; e < per_pos * D; ++e) dst[e] = to_float(src[e]);
+        if (dot) {
+          if constexpr (std::is_same_v<QT, c10::BFloat16>) {
+            qb.resize(rows * D);
+            std::memcpy(qb.data() + (i - i0) * per_pos * D, src, per_pos * D * sizeof(QT));
+          }
+        } else if (fast)
+          for (int64_t k = 0; k < per_pos; ++k) permute_row(src + k * D, dst + k * D, D);
+        else
+          for (int64_t e = 0; e < per_pos * D; ++e) dst[e] = to_float(src[e]);
       }
       // scores, one 16-position block (of every head of the task) at a time
       const bool vec = D % kLanes == 0;
@@ -277,6 +551,19 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
           prefetch_block(cache, geo, table, h0, nh, 0, j0 + kLanes, n_max, D);
         else  // the last K block: the V pass starts with V's first block
           prefetch_block(cache, geo, table, h0, nh, 1, 0, n_max, D);
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (fast) {
+            if (D == 64)
+              score_block_bf16<4>(cache, geo, table, h0, nh, G, rows, j0, n_max, n_of.data(),
+                                  qf.data(), dot ? qb.data() : nullptr, scores.data(), n_pad,
+                                  scale, zero.data());
+            else
+              score_block_bf16<8>(cache, geo, table, h0, nh, G, rows, j0, n_max, n_of.data(),
+                                  qf.data(), dot ? qb.data() : nullptr, scores.data(), n_pad,
+                                  scale, zero.data());
+            continue;
+          }
+        }
         load_block(cache, geo, table, h0, nh, 0, j0, n_max, D, k_scale, use_scale, !vec,
                    kblk.data());
         for (int64_t r = 0; r < rows; ++r) {
@@ -309,8 +596,22 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t n = n_of[r];
         float* sr = scores.data() + r * n_pad;
+        // the maximum in 16 lanes, then across them: max is exact, so the order is free
         float m = sr[0];
-        for (int64_t j = 1; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+        if (n >= kLanes) {
+          v16 mv;
+          std::memcpy(&mv, sr, sizeof(mv));
+          int64_t j = kLanes;
+          for (; j + kLanes <= n; j += kLanes) {
+            v16 x;
+            std::memcpy(&x, sr + j, sizeof(x));
+            mv = x > mv ? x : mv;
+          }
+          for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
+          for (; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+        } else {
+          for (int64_t j = 1; j < n; ++j) m = sr[j] > m ? sr[j] : m;
+        }
         for (int64_t j = 0; j < n; ++j) sr[j] = exp_nonpos(sr[j] - m);
         for (int64_t j = n; j < n_pad; ++j) sr[j] = 0.0f;
         float lane[kLanes];
@@ -335,6 +636,17 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
                            kv_lens[bn], D);
           }
         }
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (fast) {
+            if (D == 64)
+              value_block_bf16<4>(cache, geo, table, h0, nh, G, rows, j0, n_max, n_of.data(),
+                                  scores.data(), n_pad, acc.data());
+            else
+              value_block_bf16<8>(cache, geo, table, h0, nh, G, rows, j0, n_max, n_of.data(),
+                                  scores.data(), n_pad, acc.data());
+            continue;
+          }
+        }
         load_block(cache, geo, table, h0, nh, 1, j0, n_max, D, v_scale, use_scale, false,
                    vblk.data());
         for (int64_t r = 0; r < rows; ++r) {
@@ -357,7 +669,10 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
           const int64_t r = (i - i0) * per_pos + k;
           const float* ar = acc.data() + r * D;
           const float l = denom[r];
-          for (int64_t d = 0; d < D; ++d) dst[k * D + d] = static_cast<QT>(ar[d] / l);
+          if (fast)
+            unpermute_row(ar, l, dst + k * D, D);
+          else
+            for (int64_t d = 0; d < D; ++d) dst[k * D + d] = static_cast<QT>(ar[d] / l);
         }
       }
     }

@@ -102,14 +102,16 @@ def _random_mates(rng: random.Random, count: int, long_ctx: bool) -> list[tuple[
     return shapes
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-@pytest.mark.parametrize("dtype_name", list(CACHE_DTYPES))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_request_bitwise_same_alone_and_in_batches(layout, dtype_name, causal, threads):
-    """One decode row, one verify block and one prefill chunk, each alone and inside batches of
-    2, 8 and 32 (other requests of other lengths, before and after it)."""
-    torch.set_num_threads(threads)  # the conftest fixture restores the count
+# (q heads, kv heads, head size, block size) that take the kernel's register path for bfloat16
+# pages (head size 64 or 128): SmolLM2's 9/3 heads, a Llama-8B-like 4:1 group, one kv head for
+# six query heads; pages of 16 and 128 positions (one page per 16-position block) and of 4
+# (a block spans pages).
+GEOMETRIES = [(9, 3, 64, 16), (8, 2, 128, 128), (6, 1, 64, 4)]
+DEFAULT = (Q_HEADS, KV_HEADS, HEAD, BS)
+
+
+def _alone_and_in_batches(layout, dtype_name, causal, geometry) -> None:
+    q_heads, kv_heads, head, bs = geometry
     dtype = CACHE_DTYPES[dtype_name]
     q_dtype = torch.float32 if dtype_name == "float32" else torch.bfloat16
     rng = random.Random(123)
@@ -119,53 +121,72 @@ def test_request_bitwise_same_alone_and_in_batches(layout, dtype_name, causal, t
             shapes = _random_mates(rng, size - 1, long_ctx=size == 32)
             pos = rng.randint(0, size - 1)
             shapes.insert(pos, target_shape)
-            nblk = sum(-(-(c + q) // BS) for c, q in shapes) + 4
-            kv = make_layer(dtype, layout, nblk, BS, KV_HEADS, HEAD)
-            reqs = build_requests(shapes, nblk, BS, Q_HEADS, KV_HEADS, HEAD, seed=size)
+            nblk = sum(-(-(c + q) // bs) for c, q in shapes) + 4
+            kv = make_layer(dtype, layout, nblk, bs, kv_heads, head)
+            reqs = build_requests(shapes, nblk, bs, q_heads, kv_heads, head, seed=size)
             # the target request carries the same data in every batch
             gen = torch.Generator().manual_seed(99)
             c, q = target_shape
             mine = reqs[pos]
-            reqs[pos] = Req(c, q, mine.table, torch.randn(c + q, KV_HEADS, HEAD, generator=gen),
-                            torch.randn(c + q, KV_HEADS, HEAD, generator=gen),
-                            torch.randn(q, Q_HEADS, HEAD, generator=gen))
-            outs.append(attend(kv, reqs, causal, q_dtype=q_dtype)[pos])
+            reqs[pos] = Req(c, q, mine.table, torch.randn(c + q, kv_heads, head, generator=gen),
+                            torch.randn(c + q, kv_heads, head, generator=gen),
+                            torch.randn(q, q_heads, head, generator=gen))
+            outs.append(attend(kv, reqs, causal, head**-0.5, q_dtype=q_dtype)[pos])
         for size, o in zip((2, 8, 32), outs[1:]):
             assert torch.equal(o, outs[0]), f"{target_shape}: differs in a batch of {size}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("dtype_name", list(CACHE_DTYPES))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_verify_rows_equal_decode_rows(layout, dtype_name):
-    """Positions p..p+K verified in one causal block equal the same positions decoded one at a
-    time, bitwise; so do a prefill in one chunk and the same prompt in other chunkings."""
+def test_request_bitwise_same_alone_and_in_batches(layout, dtype_name, causal, threads):
+    """One decode row, one verify block and one prefill chunk, each alone and inside batches of
+    2, 8 and 32 (other requests of other lengths, before and after it)."""
+    torch.set_num_threads(threads)  # the conftest fixture restores the count
+    _alone_and_in_batches(layout, dtype_name, causal, DEFAULT)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_register_path_bitwise_same_alone_and_in_batches(layout, causal, geometry):
+    """The same property where rows of one kv head are computed in groups (bfloat16 pages, head
+    size 64/128): a row's group mates change from batch to batch, its result must not."""
+    _alone_and_in_batches(layout, "bfloat16", causal, geometry)
+
+
+def _verify_equals_decode(layout, dtype_name, geometry) -> None:
+    q_heads, kv_heads, head, bs = geometry
     dtype = CACHE_DTYPES[dtype_name]
     q_dtype = torch.float32 if dtype_name == "float32" else torch.bfloat16
     gen = torch.Generator().manual_seed(5)
     total, K = 70, 7
     # rounded through the query dtype, so a context rewrite stores what the step wrote
-    k = torch.randn(total, KV_HEADS, HEAD, generator=gen).to(q_dtype).float()
-    v = torch.randn(total, KV_HEADS, HEAD, generator=gen).to(q_dtype).float()
-    q = torch.randn(total, Q_HEADS, HEAD, generator=gen)
-    table = list(range(20))[::-1]
+    k = torch.randn(total, kv_heads, head, generator=gen).to(q_dtype).float()
+    v = torch.randn(total, kv_heads, head, generator=gen).to(q_dtype).float()
+    q = torch.randn(total, q_heads, head, generator=gen)
+    own = -(-total // bs)
+    table = list(range(own))[::-1]
+    mate_blocks = -(-(60 + 40) // bs)
 
     def run(chunks: list[int], mates: int) -> torch.Tensor:
         """Feed the sequence in the given chunks (each its own step, with other requests in the
         batch), return the output of every position."""
-        kv = make_layer(dtype, layout, 20 + 12 * mates, BS, KV_HEADS, HEAD)
+        kv = make_layer(dtype, layout, own + mate_blocks * mates, bs, kv_heads, head)
         rows, start = [], 0
         rng = random.Random(len(chunks))
         for n in chunks:
             end = start + n
             me = Req(start, n, table, k[:end], v[:end], q[start:end])
-            others = build_requests(_random_mates(rng, mates, False), 1000, BS, Q_HEADS,
-                                    KV_HEADS, HEAD, seed=end) if mates else []
-            free = list(range(20, 20 + 12 * mates))
+            others = build_requests(_random_mates(rng, mates, False), 10**5, bs, q_heads,
+                                    kv_heads, head, seed=end) if mates else []
+            free = list(range(own, own + mate_blocks * mates))
             for o in others:
-                o.table = [free.pop() for _ in range(-(-o.kv_len // BS))]
+                o.table = [free.pop() for _ in range(-(-o.kv_len // bs))]
             reqs = others[: len(others) // 2] + [me] + others[len(others) // 2:]
             # only the new tokens of `me` are written by attend; its context is already there
-            out = attend(kv, [me] if not others else reqs, True, q_dtype=q_dtype)
+            out = attend(kv, [me] if not others else reqs, True, head**-0.5, q_dtype=q_dtype)
             rows.append(out[reqs.index(me) if others else 0])
             start = end
         return torch.cat(rows)
@@ -177,6 +198,20 @@ def test_verify_rows_equal_decode_rows(layout, dtype_name):
     assert torch.equal(verify[:p], decode[:p]), "prefill rows differ from decode rows"
     chunked = run([13, 29, 1, 19, 8], mates=3)
     assert torch.equal(chunked, decode), "chunked prefill differs"
+
+
+@pytest.mark.parametrize("dtype_name", list(CACHE_DTYPES))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_verify_rows_equal_decode_rows(layout, dtype_name):
+    """Positions p..p+K verified in one causal block equal the same positions decoded one at a
+    time, bitwise; so do a prefill in one chunk and the same prompt in other chunkings."""
+    _verify_equals_decode(layout, dtype_name, DEFAULT)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_register_path_verify_rows_equal_decode_rows(layout, geometry):
+    _verify_equals_decode(layout, "bfloat16", geometry)
 
 
 def test_layouts_and_threads_bitwise_equal():

@@ -220,6 +220,34 @@ def test_shapes_float32(layout: str, shapes, causal: bool) -> None:
     check(out, reqs, causal, SCALE, "float32")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("q_heads, kv_heads, head, block_size",
+                         [(9, 3, 64, 16), (8, 2, 128, 128), (6, 1, 64, 4), (4, 4, 128, 16)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_bf16_pages_head_sizes_64_and_128(layout, q_heads, kv_heads, head, block_size,
+                                          causal) -> None:
+    """bfloat16 pages with head size 64/128 (the kernel converts K/V in registers and computes
+    the rows of a kv head in groups): decodes, verify windows and prefill chunks of lengths
+    that end inside and on 16-position blocks, against dense attention on the rounded K/V."""
+    shapes = [(0, 1), (15, 1), (16, 1), (47, 1), (300, 1), (40, 8), (63, 8), (0, 37), (21, 19)]
+    nblk = sum(-(-(c + q) // block_size) for c, q in shapes)
+    kv = make_layer(torch.bfloat16, layout, nblk, block_size, kv_heads, head)
+    reqs = build_requests(shapes, nblk, block_size, q_heads, kv_heads, head, seed=head)
+    out, _ = run_step(kv, reqs, causal, head**-0.5)
+    check(out, reqs, causal, head**-0.5, "bfloat16")
+    # a bfloat16 query (the engine's case; with AVX512-BF16 the scores come from bfloat16 dot
+    # products): against dense attention on the rounded query, K and V, to bfloat16 output
+    for r in reqs:
+        r.q = r.q.to(torch.bfloat16)
+    out, _ = run_step(kv, reqs, causal, head**-0.5, write_context=False)
+    for i, (o, r) in enumerate(zip(split(out, reqs), reqs)):
+        ref = dense_reference(r.q.float(), roundtrip(r.k, torch.bfloat16, 1.0),
+                              roundtrip(r.v, torch.bfloat16, 1.0), causal, head**-0.5)
+        err = rel_err(o.float(), ref)
+        assert err < 1e-2, f"request {i} ({r.ctx}+{r.q_len}), bf16 query: rel err {err:.3g}"
+
+
 @pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_gqa_ratios(q_heads: int, kv_heads: int) -> None:
     kv = make_layer(torch.float32, "HND", 16, 4, kv_heads, 8)
