@@ -24,7 +24,11 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "layer_ops.cpp")]
 _BUILD = Path(os.environ.get("SPECSERVE_KERNEL_BUILD_DIR")
               or Path(__file__).resolve().parent / "csrc" / "build")
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# The instruction set the kernels are compiled for: this CPU's by default; e.g. ``x86-64-v3``
+# (AVX2, no AVX-512) to build for older machines or to test that path on a newer one (pair it
+# with its own SPECSERVE_KERNEL_BUILD_DIR).
+_MARCH = os.environ.get("SPECSERVE_KERNEL_MARCH") or "native"
+_FLAGS = ["-O3", f"-march={_MARCH}", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
