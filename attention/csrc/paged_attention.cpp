@@ -392,6 +392,18 @@ inline void for_head_groups(int64_t hh, int64_t nh, int64_t G, int64_t rows, int
   if (nr) fn(nr, group);
 }
 
+// fn(std::integral_constant<int, nr>) for 1 <= nr <= NR: the callee's loops over the rows of
+// a group are unrolled, with their accumulators in registers.
+template <int NR, typename Fn>
+inline void with_rows(int nr, Fn&& fn) {
+  switch (nr) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (NR >= 2) fn(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (NR >= 3) fn(std::integral_constant<int, 3>{}); break;
+    default: if constexpr (NR >= 4) fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 template <int C>
 void score_block_bf16(const c10::BFloat16* cache, const Geometry& geo, const int64_t* table,
                       int64_t h0, int64_t nh, int64_t G, int64_t rows, int64_t j0,
@@ -414,22 +426,16 @@ void score_block_bf16(const c10::BFloat16* cache, const Geometry& geo, const int
       if (qb != nullptr) {
         const c10::BFloat16* qr[NR];
         for (int i = 0; i < nr; ++i) qr[i] = qb + group[i] * C * kLanes;
-        switch (nr) {
-          case 1: qk_dot_bf16<C, 1>(s, qr, krow, scale, part); break;
-          case 2: qk_dot_bf16<C, 2>(s, qr, krow, scale, part); break;
-          case 3: if constexpr (NR >= 3) qk_dot_bf16<C, 3>(s, qr, krow, scale, part); break;
-          default: if constexpr (NR >= 4) qk_dot_bf16<C, 4>(s, qr, krow, scale, part); break;
-        }
+        with_rows<NR>(nr, [&](auto n) {
+          qk_dot_bf16<C, decltype(n)::value>(s, qr, krow, scale, part);
+        });
         return;
       }
 #endif
       for (int i = 0; i < nr; ++i) q[i] = qf + group[i] * C * kLanes;
-      switch (nr) {
-        case 1: qk_bf16<C, 1>(s, q, krow, scale, part); break;
-        case 2: qk_bf16<C, 2>(s, q, krow, scale, part); break;
-        case 3: if constexpr (NR >= 3) qk_bf16<C, 3>(s, q, krow, scale, part); break;
-        default: if constexpr (NR >= 4) qk_bf16<C, 4>(s, q, krow, scale, part); break;
-      }
+      with_rows<NR>(nr, [&](auto n) {
+        qk_bf16<C, decltype(n)::value>(s, q, krow, scale, part);
+      });
     });
   }
 }
@@ -456,12 +462,7 @@ void value_block_bf16(const c10::BFloat16* cache, const Geometry& geo, const int
         p[i] = scores + group[i] * n_pad + j0;
         lmax[i] = std::min<int64_t>(kLanes, n_of[group[i]] - j0);
       }
-      switch (nr) {
-        case 1: pv_bf16<C, 1>(a, p, lmax, vrow); break;
-        case 2: pv_bf16<C, 2>(a, p, lmax, vrow); break;
-        case 3: if constexpr (NR >= 3) pv_bf16<C, 3>(a, p, lmax, vrow); break;
-        default: if constexpr (NR >= 4) pv_bf16<C, 4>(a, p, lmax, vrow); break;
-      }
+      with_rows<NR>(nr, [&](auto n) { pv_bf16<C, decltype(n)::value>(a, p, lmax, vrow); });
     });
   }
 }
