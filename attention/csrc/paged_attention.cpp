@@ -2,8 +2,8 @@
 //
 // Every query row is computed by the same sequence of floating-point operations, which depends
 // only on that row's query vector, its visible K/V positions (0..n-1 of its request), the head
-// size and the cache dtype: not on the batch, the other requests, the request's query length or
-// the thread that runs it. So a decode row (q_len = 1) and the same position inside a verify
+// size and the cache and query dtypes: not on the batch, the other requests, the request's query
+// length or the thread that runs it. So a decode row (q_len = 1) and the same position inside a verify
 // block (q_len = K + 1) give bitwise identical outputs, alone or in any batch.
 //
 // Per row: scores s_j = (q . k_j) * scale for j < n (K read in 16-position blocks, each score
@@ -14,7 +14,8 @@
 //
 // Two ways to read K/V, chosen by cache dtype and head size only: bfloat16 pages with a head
 // size of 64 or 128 are converted in registers where they are used (and d is visited in a fixed
-// permuted order, see bf16x32); every other case converts each 16-position block to a float
+// permuted order, see bf16x32; with a bfloat16 query and AVX512-BF16 the scores use bfloat16
+// dot products, see qk_dot_bf16); every other case converts each 16-position block to a float
 // buffer first (load_block).
 //
 // Work is split into tasks (request, tile of query positions), each over every kv head, so a
@@ -32,11 +33,11 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#include <vector>
 
 namespace {
 
