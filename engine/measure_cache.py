@@ -39,7 +39,8 @@ def machine_signature(device: torch.device) -> dict[str, Any]:
         "device": device.type,
         # the instruction sets torch's kernels actually use (they can be capped by env vars)
         "isa": [torch.backends.cpu.get_cpu_capability(),
-                os.environ.get("ATEN_CPU_CAPABILITY", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", "")],
+                os.environ.get("ATEN_CPU_CAPABILITY", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                os.environ.get("SPECSERVE_KERNEL_MARCH", "")],  # and this project's kernels'
     }
     if device.type == "cuda":
         sig["gpu"] = torch.cuda.get_device_name(device)

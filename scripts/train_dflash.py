@@ -357,11 +357,7 @@ def train(args) -> dict:
     if args.max_sequences:
         seqs = seqs[: args.max_sequences]
     rng = random.Random(args.seed)
-    order = list(range(len(seqs)))
-    rng.shuffle(order)
-    n_val = min(args.val_sequences, len(seqs) // 10)
-    val = [seqs[i] for i in order[:n_val]]
-    train_seqs = [seqs[i] for i in order[n_val:]]
+    val, train_seqs = split_sequences(seqs, args.val_sequences, args.seed, args.train_tokens)
     if args.draft_vocab:
         frozen = frozen.restrict(build_draft_vocab(train_seqs, args.draft_vocab,
                                                    frozen.embed.shape[0]))
@@ -438,10 +434,37 @@ def train(args) -> dict:
     elapsed = time.time() - start
     metrics = validate()
     metrics.update({"best_sim_accept_len": best, "train_seconds": elapsed, "steps": total,
-                    "train_sequences": len(train_seqs), "val_sequences": len(val)})
+                    "train_sequences": len(train_seqs), "val_sequences": len(val),
+                    "train_response_tokens": sum(q.ids.shape[0] - q.prompt_len for q in train_seqs)})
     (args.out / "metrics.json").write_text(json.dumps({"args": _jsonable(vars(args)), **metrics}, indent=2))
     print(json.dumps(metrics, indent=2), flush=True)
     return metrics
+
+
+def split_sequences(seqs: list[Sequence], val_sequences: int, seed: int,
+                    train_tokens: int = 0) -> tuple[list[Sequence], list[Sequence]]:
+    """Validation and training sequences. Validation is ``val_sequences`` (at most a tenth)
+    drawn at random with ``seed``; with ``train_tokens`` the training side is the other
+    sequences in data order up to that many response tokens, so runs with different budgets on
+    the same data share one validation set and each larger set contains the smaller ones."""
+    order = list(range(len(seqs)))
+    random.Random(seed).shuffle(order)
+    n_val = min(val_sequences, len(seqs) // 10)
+    val = [seqs[i] for i in order[:n_val]]
+    if not train_tokens:
+        return val, [seqs[i] for i in order[n_val:]]
+    held = set(order[:n_val])
+    train_seqs, tokens = [], 0
+    for i, seq in enumerate(seqs):
+        if tokens >= train_tokens:
+            break
+        if i not in held:
+            train_seqs.append(seq)
+            tokens += seq.ids.shape[0] - seq.prompt_len
+    if tokens < train_tokens:
+        raise ValueError(f"--train-tokens {train_tokens}: the data holds only {tokens} "
+                         "response tokens outside the validation set")
+    return val, train_seqs
 
 
 def _jsonable(d: dict) -> dict:
@@ -481,6 +504,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-positions", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--max-sequences", type=int, default=0, help="use only the first N (sweeps)")
+    p.add_argument("--train-tokens", type=int, default=0,
+                   help="train on the first sequences (data order, validation excluded) up to "
+                        "this many response tokens; validation stays the same (data-size sweeps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
     return p

@@ -256,3 +256,21 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
     vocab = draft.draft_token_ids.tolist()
     assert len(vocab) == 24 and set(range(3, 20)) <= set(vocab)  # every response token is in
     assert resumed["best_sim_accept_len"] == max(h["sim_accept_len"] for h in history)
+
+
+def test_token_budgets_share_one_validation_set_and_nest():
+    """Data-size sweeps: every ``train_tokens`` budget validates on the same sequences, never
+    trains on them, and a larger budget's training set extends the smaller one's."""
+    seqs = [train.Sequence(torch.arange(10 + i), torch.zeros(10 + i, 4), 4) for i in range(50)]
+    val_all, train_all = train.split_sequences(seqs, 5, seed=7)
+    assert len(val_all) == 5 and len(train_all) == 45
+    small_val, small = train.split_sequences(seqs, 5, seed=7, train_tokens=100)
+    big_val, big = train.split_sequences(seqs, 5, seed=7, train_tokens=400)
+    assert [id(s) for s in small_val] == [id(s) for s in big_val] == [id(s) for s in val_all]
+    assert not {id(s) for s in big} & {id(s) for s in val_all}
+    assert [id(s) for s in big[: len(small)]] == [id(s) for s in small]
+    for part, budget in ((small, 100), (big, 400)):
+        tokens = [s.ids.shape[0] - s.prompt_len for s in part]
+        assert sum(tokens) >= budget > sum(tokens[:-1])  # the first sequences up to the budget
+    with pytest.raises(ValueError, match="only"):
+        train.split_sequences(seqs, 5, seed=7, train_tokens=10**6)
