@@ -128,8 +128,14 @@ def dense_forward(
 @dataclass
 class Sequence:
     ids: torch.Tensor  # [S] int
-    feats: torch.Tensor  # [S, taps*H] float16
+    feats: torch.Tensor  # [S, taps*H] float16, or every stored layer's with ``cols``
     prompt_len: int
+    cols: torch.Tensor | None = None  # the taps' columns of ``feats`` when it holds more
+
+    def features(self) -> torch.Tensor:
+        """The tapped features [S, taps*H] as float32."""
+        feats = self.feats if self.cols is None else self.feats.index_select(1, self.cols)
+        return feats.float()
 
 
 def load_sequences(data: Path, taps: list[int]) -> list[Sequence]:
@@ -140,14 +146,20 @@ def load_sequences(data: Path, taps: list[int]) -> list[Sequence]:
         raise ValueError(f"Taps {missing} were not stored; stored layers: {stored}")
     seqs = []
     for name in meta["shards"]:
-        shard = torch.load(data / name)
-        hidden = shard["features"].shape[1] // len(stored)
-        cols = torch.cat([torch.arange(stored.index(t) * hidden, (stored.index(t) + 1) * hidden)
-                          for t in taps])
-        feats = shard["features"].index_select(1, cols)
+        # memory-mapped: the features stay in the page cache, not in this process (millions of
+        # tokens of several layers do not fit in memory); each sequence's taps are cut out when
+        # it is used
+        shard = torch.load(data / name, mmap=True)
+        feats = shard["features"]
+        hidden = feats.shape[1] // len(stored)
+        cols = None
+        if taps != stored:
+            cols = torch.cat([torch.arange(stored.index(t) * hidden, (stored.index(t) + 1) * hidden)
+                              for t in taps])
         start = 0
         for n, p in zip(shard["lengths"].tolist(), shard["prompt_lengths"].tolist()):
-            seqs.append(Sequence(shard["ids"][start : start + n].long(), feats[start : start + n], p))
+            seqs.append(Sequence(shard["ids"][start : start + n].long(), feats[start : start + n],
+                                 p, cols))
             start += n
     return seqs
 
@@ -225,7 +237,7 @@ def sequence_loss(
     ``selector_terms``), and their predictions are the selector's greedy picks, as served."""
     b = draft.config.block_size
     s = seq.ids.shape[0]
-    feats = seq.feats.float()
+    feats = seq.features()
     mask = block_mask(s, anchors, b)
     labels = block_labels(seq.ids, anchors, b)  # [N, B]
     block_ids = seq.ids[torch.tensor(anchors)]  # anchor tokens

@@ -274,3 +274,18 @@ def test_token_budgets_share_one_validation_set_and_nest():
         assert sum(tokens) >= budget > sum(tokens[:-1])  # the first sequences up to the budget
     with pytest.raises(ValueError, match="only"):
         train.split_sequences(seqs, 5, seed=7, train_tokens=10**6)
+
+
+def test_load_sequences_cuts_the_taps_out_of_a_memory_mapped_shard(tmp_path):
+    """Stored layers [0, 1, 2] of hidden size 4; taps [2, 0] are those columns in tap order, per
+    sequence, and taps equal to the stored layers give the rows as stored."""
+    feats = torch.arange(9 * 12, dtype=torch.float32).view(9, 12).to(torch.float16)
+    torch.save({"features": feats, "ids": torch.arange(9), "lengths": torch.tensor([4, 5]),
+                "prompt_lengths": torch.tensor([1, 2])}, tmp_path / "features-0000.pt")
+    (tmp_path / "features.json").write_text(
+        '{"layers": [0, 1, 2], "dtype": "float16", "shards": ["features-0000.pt"]}')
+    first, second = train.load_sequences(tmp_path, [2, 0])
+    assert second.ids.tolist() == [4, 5, 6, 7, 8] and second.prompt_len == 2
+    assert torch.equal(second.features(), torch.cat([feats[4:, 8:12], feats[4:, 0:4]], 1).float())
+    whole = train.load_sequences(tmp_path, [0, 1, 2])[0]
+    assert whole.cols is None and torch.equal(whole.features(), feats[:4].float())
