@@ -377,7 +377,9 @@ def train(args) -> dict:
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = len(train_seqs) // args.batch
-    total = steps_per_epoch * args.epochs
+    if steps_per_epoch < 1:
+        raise ValueError(f"{len(train_seqs)} training sequences do not fill a batch of {args.batch}")
+    total = args.steps or steps_per_epoch * args.epochs
     step = 0
     best = 0.0  # best validation simulated acceptance so far; out/draft holds that draft
     ckpt = args.out / "train_state.pt"
@@ -506,6 +508,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=0,
+                   help="train this many steps instead of --epochs (equal compute across data sizes)")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--warmup", type=float, default=0.04)
     p.add_argument("--clip", type=float, default=1.0)

@@ -256,6 +256,11 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
     vocab = draft.draft_token_ids.tolist()
     assert len(vocab) == 24 and set(range(3, 20)) <= set(vocab)  # every response token is in
     assert resumed["best_sim_accept_len"] == max(h["sim_accept_len"] for h in history)
+    # a fixed step count instead of epochs, on a token budget: 3 steps over the first sequences
+    fixed = train.train(train.parser().parse_args(
+        [a if a != str(out) else str(tmp_path / "fixed") for a in argv]
+        + ["--steps", "3", "--train-tokens", "100"]))
+    assert fixed["steps"] == 3 and 100 <= fixed["train_response_tokens"] < 100 + 30
 
 
 def test_token_budgets_share_one_validation_set_and_nest():
