@@ -33,7 +33,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from models.dflash import DFlashDraftModel  # noqa: E402
+from models.dflash import D2T_KEY, DFlashDraftModel  # noqa: E402
 from models.dflash2 import DFlash2DraftModel, DFlash2Layer, draft_config  # noqa: E402
 from models.dflash2 import build_draft as build_draft_model  # noqa: E402
 from models.dflash_init import draft_hf_config, save_draft  # noqa: E402
@@ -349,6 +349,30 @@ def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dic
     return draft, hf
 
 
+def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
+    """Start from a saved draft's weights (continued training on new data). Its shape, taps and
+    block size must equal this run's; its vocabulary mapping is not taken: the run's own,
+    derived from its training data, stays, since the draft's weights do not depend on which
+    rows of the frozen head it scores."""
+    from models.hf_folder import iter_safetensors, load_hf_config
+
+    saved = load_hf_config(folder)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "block_size"):
+        if saved.get(key) != hf.get(key):
+            raise ValueError(f"--init {folder}: {key} is {saved.get(key)}, this run has {hf.get(key)}")
+    taps = (saved.get("dflash_config") or {}).get("target_layer_ids")
+    if taps != hf["dflash_config"]["target_layer_ids"]:
+        raise ValueError(f"--init {folder}: taps {taps}, this run has "
+                         f"{hf['dflash_config']['target_layer_ids']}")
+    if saved.get("architectures") != hf.get("architectures"):
+        raise ValueError(f"--init {folder}: a {saved.get('architectures')} draft, this run trains "
+                         f"{hf.get('architectures')}")
+    draft.load_weights((name, t) for name, t in iter_safetensors(folder)
+                       if name.removeprefix("model.") not in (D2T_KEY, "t2d"))
+    draft.mask_embedding.requires_grad_(True)  # loading freezes it (served drafts); train it
+
+
 def load_frozen(model: str) -> tuple[Frozen, object]:
     from models.hf_folder import iter_safetensors, load_hf_config
     from models.loader import decoder_config
@@ -374,6 +398,8 @@ def train(args) -> dict:
         frozen = frozen.restrict(build_draft_vocab(train_seqs, args.draft_vocab,
                                                    frozen.embed.shape[0]))
     draft, hf = build_draft(args, target_cfg, frozen)
+    if args.init:
+        init_from(draft, hf, args.init)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = len(train_seqs) // args.batch
@@ -525,6 +551,9 @@ def parser() -> argparse.ArgumentParser:
                         "this many response tokens; validation stays the same (data-size sweeps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init", type=Path, default=None,
+                   help="start from this saved draft's weights (same shape and taps); the "
+                        "draft vocabulary is still derived from this run's data")
     return p
 
 

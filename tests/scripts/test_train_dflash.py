@@ -294,3 +294,35 @@ def test_load_sequences_cuts_the_taps_out_of_a_memory_mapped_shard(tmp_path):
     assert torch.equal(second.features(), torch.cat([feats[4:, 8:12], feats[4:, 0:4]], 1).float())
     whole = train.load_sequences(tmp_path, [0, 1, 2])[0]
     assert whole.cols is None and torch.equal(whole.features(), feats[:4].float())
+
+
+def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
+    """``--init``: every weight (and the mask embedding, still trainable) comes from the saved
+    draft; the vocabulary mapping is this run's; a draft of another shape or taps is refused."""
+    from types import SimpleNamespace
+
+    from models.dflash_init import save_draft
+
+    draft, frozen, _ = _tiny_setup(tmp_path)
+    args = SimpleNamespace(layers=1, block_size=4, taps=[1, 2], ffn=48, max_positions=64, seed=5,
+                           dflash2=False)
+    frozen_small = frozen.restrict(torch.tensor([0, 2, 3, 5, 7, 11, 13, 17]))
+    saved, hf = train.build_draft(args, _tiny_target_config(), frozen_small)
+    save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
+
+    other_vocab = frozen.restrict(torch.tensor([1, 2, 4, 6, 8, 9, 10, 12]))
+    fresh, hf2 = train.build_draft(SimpleNamespace(**{**vars(args), "seed": 9}),
+                                   _tiny_target_config(), other_vocab)
+    train.init_from(fresh, hf2, tmp_path / "saved")
+    want = {k: v for k, v in saved.state_dict().items() if k != "d2t"}
+    got = fresh.state_dict()
+    assert want.keys() <= got.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    assert fresh.draft_token_ids.tolist() == [1, 2, 4, 6, 8, 9, 10, 12]
+    assert fresh.mask_embedding.requires_grad
+
+    wrong, hf3 = train.build_draft(SimpleNamespace(**{**vars(args), "taps": [0, 2]}),
+                                   _tiny_target_config(), other_vocab)
+    with pytest.raises(ValueError, match="taps"):
+        train.init_from(wrong, hf3, tmp_path / "saved")
