@@ -36,6 +36,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -246,8 +247,9 @@ def find_libiomp5(venv: Path) -> Path | None:
     return Path(hits[0]) if hits else None
 
 
-def run_server_system(system: ServerSystem, points: Sequence[Point], args: argparse.Namespace,
-                      result_dir: Path, tokenizer: Any) -> tuple[list[Row], str | None]:
+def start_server(system: ServerSystem, args: argparse.Namespace, result_dir: Path
+                 ) -> tuple[ManagedServer | None, str, str | None]:
+    """Start ``system``; returns the server, the model name it serves, and a failure note."""
     server = ManagedServer(system.name, system.cmd, system.env, system.port,
                            result_dir / f"{system.name}.log")
     print(f"[{system.name}] starting: {' '.join(system.cmd)}", flush=True)
@@ -255,37 +257,109 @@ def run_server_system(system: ServerSystem, points: Sequence[Point], args: argpa
     try:
         server.start(args.startup_timeout)
     except RuntimeError as exc:
-        return [], f"{system.name}: failed to start ({exc})"
+        return None, "", f"{system.name}: failed to start ({exc})"
     print(f"[{system.name}] ready in {time.monotonic() - t0:.1f} s", flush=True)
-    rows = []
+    model = asyncio.run(bench_serve._prepare(bench_serve.BenchConfig(
+        base_url=server.base_url)))[1] or args.model
+    return server, model, None
+
+
+def bench_point(system: ServerSystem, server: ManagedServer, model: str, point: Point,
+                args: argparse.Namespace, result_dir: Path, tokenizer: Any, warmup: bool,
+                tag: str = "") -> Row:
+    """One sweep point on a running server: its raw JSON in ``result_dir``, its table row."""
+    cfg = bench_serve.BenchConfig(
+        base_url=server.base_url, endpoint="/v1/chat/completions", model=model,
+        max_concurrency=point.concurrency, num_warmups=1 if warmup else 0,
+        ignore_eos=not args.no_ignore_eos, temperature=0.0,
+        request_timeout=args.request_timeout, seed=args.seed,
+        disable_tqdm=not args.progress, label=f"{system.name} c={point.concurrency}",
+        **system.bench)
+    requests = [bench_serve.SampleRequest(p, point.output_len) for p in point.prompts]
+    result = asyncio.run(bench_serve.run_benchmark(cfg, requests, tokenizer))
+    name = f"{system.name}-o{point.output_len}-c{point.concurrency}{tag}.json"
+    (result_dir / name).write_text(json.dumps(result, indent=1, default=str))
+    row = row_from_result(system.name, point, result)
+    print(f"[{system.name}{tag}] o={point.output_len} c={point.concurrency}: "
+          f"{_f(row['output_throughput'], '.1f')} tok/s, TTFT p50 "
+          f"{_f(row['median_ttft_ms'], '.0f')} ms, TPOT p50 "
+          f"{_f(row['median_tpot_ms'], '.1f')} ms, ok {row['completed']}/"
+          f"{len(point.prompts)}" + (f", acceptance length {row['acceptance_length']:.2f}"
+                                      if row.get("acceptance_length") else ""),
+          flush=True)
+    return row
+
+
+def run_server_system(system: ServerSystem, points: Sequence[Point], args: argparse.Namespace,
+                      result_dir: Path, tokenizer: Any) -> tuple[list[Row], str | None]:
+    server, model, failure = start_server(system, args, result_dir)
+    if server is None:
+        return [], failure
     try:
-        model = asyncio.run(bench_serve._prepare(bench_serve.BenchConfig(
-            base_url=server.base_url)))[1] or args.model
-        for i, point in enumerate(points):
-            cfg = bench_serve.BenchConfig(
-                base_url=server.base_url, endpoint="/v1/chat/completions", model=model,
-                max_concurrency=point.concurrency, num_warmups=1 if i == 0 else 0,
-                ignore_eos=not args.no_ignore_eos, temperature=0.0,
-                request_timeout=args.request_timeout, seed=args.seed,
-                disable_tqdm=not args.progress, label=f"{system.name} c={point.concurrency}",
-                **system.bench)
-            requests = [bench_serve.SampleRequest(p, point.output_len) for p in point.prompts]
-            result = asyncio.run(bench_serve.run_benchmark(cfg, requests, tokenizer))
-            name = f"{system.name}-o{point.output_len}-c{point.concurrency}.json"
-            (result_dir / name).write_text(json.dumps(result, indent=1, default=str))
-            row = row_from_result(system.name, point, result)
-            rows.append(row)
-            print(f"[{system.name}] o={point.output_len} c={point.concurrency}: "
-                  f"{_f(row['output_throughput'], '.1f')} tok/s, TTFT p50 "
-                  f"{_f(row['median_ttft_ms'], '.0f')} ms, TPOT p50 "
-                  f"{_f(row['median_tpot_ms'], '.1f')} ms, ok {row['completed']}/"
-                  f"{len(point.prompts)}" + (f", acceptance length "
-                                              f"{row['acceptance_length']:.2f}"
-                                              if row.get("acceptance_length") else ""),
-                  flush=True)
+        return [bench_point(system, server, model, point, args, result_dir, tokenizer, i == 0)
+                for i, point in enumerate(points)], None
     finally:
         server.stop()
-    return rows, None
+
+
+def run_interleaved(systems: Sequence[ServerSystem], rounds: Sequence[Sequence[Point]],
+                    args: argparse.Namespace, result_dir: Path, tokenizer: Any
+                    ) -> tuple[list[Row], list[str]]:
+    """Paired rounds: every server runs at once, idle while another is measured; each point
+    runs once per round on every system, the order rotating by round, so slow phases of the
+    machine fall on all systems alike. Round ``r`` has its own prompts (``rounds[r]``; no
+    prefix-cache reuse between rounds), the same for every system. Returns one row per system,
+    point and round (``row["round"]``)."""
+    started: list[tuple[ServerSystem, ManagedServer, str]] = []
+    notes: list[str] = []
+    rows: list[Row] = []
+    try:
+        for system in systems:
+            server, model, failure = start_server(system, args, result_dir)
+            if server is None:
+                notes.append(failure)
+            else:
+                started.append((system, server, model))
+        for i in range(len(rounds[0])):
+            for r, points in enumerate(rounds):
+                k = r % max(1, len(started))
+                for system, server, model in started[k:] + started[:k]:
+                    row = bench_point(system, server, model, points[i], args, result_dir,
+                                      tokenizer, warmup=i == 0 and r == 0, tag=f"-r{r}")
+                    rows.append({**row, "round": r})
+    finally:
+        for _, server, _ in started:
+            server.stop()
+    return rows, notes
+
+
+def median_rounds(rows: Sequence[Row]) -> list[Row]:
+    """One row per (system, output length, concurrency) from paired rounds: the round with the
+    median output tok/s (the lower middle for an even count), with every round's tok/s and,
+    against the baseline of the same round, every round's ratio and their median."""
+    def key(r: Row) -> tuple:
+        return (r["system"], r["output_len"], r["concurrency"])
+
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    base = {(r["output_len"], r["concurrency"], r["round"]): r.get("output_throughput")
+            for r in rows if r["system"] == BASELINE}
+    out = []
+    for k, group in groups.items():
+        ranked = sorted(group, key=lambda r: r.get("output_throughput") or 0.0)
+        row = {**ranked[(len(ranked) - 1) // 2]}
+        row.pop("round", None)
+        by_round = sorted(group, key=lambda r: r["round"])
+        row["round_throughputs"] = [r.get("output_throughput") for r in by_round]
+        ratios = [r["output_throughput"] / base[(r["output_len"], r["concurrency"], r["round"])]
+                  for r in by_round if r.get("output_throughput")
+                  and base.get((r["output_len"], r["concurrency"], r["round"]))]
+        if k[0] != BASELINE and ratios:
+            row["round_ratios"] = ratios
+            row["median_ratio"] = statistics.median(ratios)
+        out.append(row)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,6 +493,20 @@ def render_markdown(rows: Sequence[Row], meta: dict[str, Any], images: dict[str,
                 cells.append(cell)
             if any(c != "-" for c in cells):
                 out.append(f"| {s} | {olen} | " + " | ".join(cells) + " |")
+    if any(r.get("round_ratios") for r in rows):
+        out += ["", f"### Paired rounds: ratio to `{BASELINE}` per round (median; min-max)", "",
+                "The table above shows each point's median round.", "",
+                "| system | output len | " + " | ".join(f"c={c}" for c in concs) + " |",
+                "|---|---|" + "---|" * len(concs)]
+        for s in systems:
+            for olen in lens:
+                cells = []
+                for c in concs:
+                    ratios = (by.get((s, olen, c)) or {}).get("round_ratios")
+                    cells.append(f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-"
+                                 f"{max(ratios):.2f})" if ratios else "-")
+                if any(c != "-" for c in cells):
+                    out.append(f"| {s} | {olen} | " + " | ".join(cells) + " |")
     out += ["", "### Latency (ms) and acceptance", "",
             ("TTFT, TPOT and ITL are measured on the client from the stream; TPOT = (E2E - TTFT)"
              " / (tokens - 1) per request; acceptance length = 1 + accepted / drafts from the "
@@ -551,6 +639,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="an earlier run's rows.json (same sweep): rerun only --systems and "
                         "publish them together with that run's other systems")
     p.add_argument("--progress", action="store_true", help="tqdm bars per point")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="paired rounds: all servers up at once, each point measured once per "
+                        "round on every server in rotating order, new prompts each round; the "
+                        "tables show the median round and the ratios per round")
     return p
 
 
@@ -610,11 +702,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks import prompts as prompt_sets
 
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     total = sum(max(args.min_prompts, args.prompts_per_concurrency * c)
                 for c in args.concurrency) * len(args.output_lens)
-    questions = prompt_sets.load(args.dataset, total)
-    points = plan(questions, args.concurrency, args.output_lens, args.prompts_per_concurrency,
-                  args.min_prompts)
+    questions = prompt_sets.load(args.dataset, total * args.rounds)
+    rounds = [plan(questions[r * total:] + questions[: r * total], args.concurrency,
+                   args.output_lens, args.prompts_per_concurrency, args.min_prompts)
+              for r in range(args.rounds)]
+    points = rounds[0]
+    paired: list[ServerSystem] = []  # with --rounds > 1, measured together after the loop
     tokenizer = bench_serve.load_tokenizer(args.model)
     notes: list[str] = []
     rows: list[Row] = []
@@ -680,6 +777,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  port, model_dir)
         if system is None:
             continue
+        if args.rounds > 1:
+            paired.append(system)
+            continue
         new, failure = run_server_system(system, points, args, result_dir, tokenizer)
         rows += new
         if failure:
@@ -687,6 +787,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif system.note:
             notes.append(f"{name}: {system.note}")
         print(f"[{name}] done in {time.monotonic() - t0:.0f} s", flush=True)
+
+    if paired:
+        t0 = time.monotonic()
+        round_rows, failures = run_interleaved(paired, rounds, args, result_dir, tokenizer)
+        (result_dir / "round_rows.json").write_text(json.dumps(round_rows, indent=1, default=str))
+        rows += median_rounds(round_rows)
+        notes += failures
+        notes += [f"{s.name}: {s.note}" for s in paired if s.note]
+        notes.append(f"paired rounds: {args.rounds}, all servers up together, order rotating "
+                     "by round, new prompts each round")
+        print(f"[paired rounds] done in {time.monotonic() - t0:.0f} s", flush=True)
 
     meta = {
         "command": "python benchmarks/compare.py " + " ".join(argv if argv is not None

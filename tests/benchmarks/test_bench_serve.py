@@ -424,3 +424,55 @@ def test_merge_replaces_only_the_rerun_systems():
     assert rows == [{"system": "specserve", "v": 1}, *new_rows]
     assert merged["notes"] == ["specserve-dflash: draft x", "vllm-cpu: vLLM CPU, bfloat16"]
     assert "merged" in merged["command"] and merged["date"] == "d1 and d2"
+
+
+def test_paired_rounds_rotate_the_order_and_take_new_prompts(monkeypatch, tmp_path):
+    """``run_interleaved``: every server started once and stopped, each point measured once per
+    round on every system, the first system of a round rotating, and round r on its own prompts."""
+    calls, stopped = [], []
+
+    class Server:
+        def __init__(self, name):
+            self.name = name
+
+        def stop(self):
+            stopped.append(self.name)
+
+    monkeypatch.setattr(compare, "start_server",
+                        lambda system, args, d: (Server(system.name), "m", None))
+
+    def bench(system, server, model, point, args, d, tok, warmup, tag=""):
+        calls.append((system.name, point.concurrency, point.prompts[0], warmup, tag))
+        return {"system": system.name, "output_len": point.output_len,
+                "concurrency": point.concurrency, "output_throughput": 1.0}
+
+    monkeypatch.setattr(compare, "bench_point", bench)
+    systems = [compare.ServerSystem(n, 0, [], {}) for n in ("a", "b", "c")]
+    qs = [f"q{i}" for i in range(12)]
+    rounds = [compare.plan(qs[r * 4:] + qs[: r * 4], [1, 2], [8], 1, 2) for r in range(3)]
+    rows, notes = compare.run_interleaved(systems, rounds, None, tmp_path, None)
+    assert notes == [] and sorted(stopped) == ["a", "b", "c"]
+    assert [c[0] for c in calls] == list("abcbcacab") * 2  # per point: rounds 0, 1, 2
+    first = [c for c in calls if c[1] == 1]
+    assert [c[2] for c in first] == ["q0"] * 3 + ["q4"] * 3 + ["q8"] * 3
+    assert [c for c in calls if c[3]] == [("a", 1, "q0", True, "-r0"), ("b", 1, "q0", True, "-r0"),
+                                          ("c", 1, "q0", True, "-r0")]
+    assert sorted({r["round"] for r in rows}) == [0, 1, 2] and len(rows) == 18
+
+
+def test_median_rounds_pairs_each_round_with_the_baseline():
+    def row(system, rnd, tps):
+        return {"system": system, "output_len": 64, "concurrency": 4, "round": rnd,
+                "output_throughput": tps, "completed": 4, "failed": 0}
+
+    rows = [row("specserve", 0, 100.0), row("vllm-cpu", 0, 50.0),
+            row("specserve", 1, 80.0), row("vllm-cpu", 1, 100.0),
+            row("specserve", 2, 90.0), row("vllm-cpu", 2, 90.0)]
+    merged = {r["system"]: r for r in compare.median_rounds(rows)}
+    ours, theirs = merged["specserve"], merged["vllm-cpu"]
+    assert ours["output_throughput"] == 90.0 and "round" not in ours and "round_ratios" not in ours
+    assert ours["round_throughputs"] == [100.0, 80.0, 90.0]
+    assert theirs["output_throughput"] == 90.0
+    assert theirs["round_ratios"] == [0.5, 1.25, 1.0] and theirs["median_ratio"] == 1.0
+    text = compare.render_markdown(list(merged.values()), {"command": "x"}, {})
+    assert "| vllm-cpu | 64 | 1.00 (0.50-1.25) |" in text
