@@ -14,7 +14,12 @@ target layers, stored as float16 shards (``features-XXXX.pt``) so training epoch
 the target. A shard is reused only if it holds exactly the sequences it should (so a shard
 left partial by an earlier, shorter ``sequences.jsonl`` is rebuilt).
 
+Optional step between them (``subset``): a folder holding the first ``--first`` sequences of
+``--source``'s ``sequences.jsonl`` plus ``--random`` more drawn with ``--seed`` from the rest,
+in data order, for when features of all of it would take too long.
+
     python scripts/dflash_data.py generate --out DIR --num-gsm8k 2400
+    python scripts/dflash_data.py subset --source DIR --out SUB --first 500 --random 4000
     python scripts/dflash_data.py features --out DIR --layers 1 8 14 20 27
 """
 
@@ -195,6 +200,29 @@ def features(args) -> None:
     meta_path.write_text(json.dumps(meta, indent=2))
 
 
+def subset(args) -> None:
+    """Write ``args.out/sequences.jsonl``: the first ``args.first`` lines of the source's, then
+    ``args.random`` drawn from the rest with ``random.Random(args.seed)``, kept in data order."""
+    import random
+
+    lines = (args.source / "sequences.jsonl").read_text().splitlines()
+    if args.first + args.random > len(lines):
+        raise SystemExit(f"{args.source} holds {len(lines)} sequences, fewer than "
+                         f"--first {args.first} + --random {args.random}")
+    picked = sorted(random.Random(args.seed).sample(range(args.first, len(lines)), args.random))
+    args.out.mkdir(parents=True, exist_ok=True)
+    if (args.out / "sequences.jsonl").exists():
+        old = (args.out / "sequences.jsonl").read_text().splitlines()
+        new = lines[: args.first] + [lines[i] for i in picked]
+        if old != new:
+            raise SystemExit(f"{args.out}/sequences.jsonl exists and differs; remove it first")
+        return
+    with (args.out / "sequences.jsonl").open("w") as f:
+        for line in lines[: args.first] + [lines[i] for i in picked]:
+            f.write(line + "\n")
+    print(f"{args.out}: {args.first + args.random} of {len(lines)} sequences", flush=True)
+
+
 def capture(engine, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
     """Outputs of ``layers`` for every position of one sequence (a single causal prefill).
 
@@ -215,7 +243,7 @@ def capture(engine, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tens
 
 def main(argv: list[str] | None = None, llm: LLM | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", choices=["generate", "features"])
+    p.add_argument("step", choices=["generate", "subset", "features"])
     p.add_argument("--out", type=Path, default=default_out())
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
@@ -233,7 +261,15 @@ def main(argv: list[str] | None = None, llm: LLM | None = None) -> None:
     p.add_argument("--time-limit", type=float, default=None, help="seconds (sets --deadline)")
     p.add_argument("--layers", type=int, nargs="+", default=[1, 8, 14, 20, 27])
     p.add_argument("--shard-size", type=int, default=256)
+    p.add_argument("--source", type=Path, default=None, help="subset: the full data folder")
+    p.add_argument("--first", type=int, default=0, help="subset: keep the first N sequences")
+    p.add_argument("--random", type=int, default=0, help="subset: and N more drawn at random")
+    p.add_argument("--seed", type=int, default=0, help="subset: the draw's seed")
     args = p.parse_args(argv)
+    if args.step == "subset":
+        if args.source is None:
+            p.error("subset needs --source")
+        return subset(args)
     if args.time_limit and not args.deadline:
         args.deadline = time.time() + args.time_limit
     torch.manual_seed(0)

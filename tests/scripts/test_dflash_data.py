@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from .script_loader import load_script
@@ -50,3 +51,21 @@ def test_generate_resumes_by_prompt_and_features_rebuild_only_changed_shards(tmp
     rows = _lines(tmp_path)[2:]
     assert last["lengths"].tolist() == [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
     assert last["features"].shape == (sum(last["lengths"].tolist()), 2 * 576)
+
+
+def test_subset_keeps_the_first_lines_and_a_seeded_draw_in_data_order(tmp_path):
+    src, out = tmp_path / "full", tmp_path / "sub"
+    src.mkdir()
+    (src / "sequences.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(30)))
+    args = ["subset", "--source", str(src), "--out", str(out), "--first", "5", "--random", "10"]
+    data.main(args + ["--seed", "3"])
+    picked = [r["i"] for r in _lines(out)]
+    assert picked[:5] == list(range(5)) and len(picked) == 15
+    assert picked == sorted(set(picked)) and min(picked[5:]) >= 5
+    data.main(args + ["--seed", "3"])  # the same draw again: kept
+    assert [r["i"] for r in _lines(out)] == picked
+    with pytest.raises(SystemExit, match="differs"):
+        data.main(args + ["--seed", "4"])
+    with pytest.raises(SystemExit, match="fewer"):
+        data.main(["subset", "--source", str(src), "--out", str(tmp_path / "x"), "--first", "25",
+                   "--random", "10"])
