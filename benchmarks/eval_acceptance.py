@@ -68,6 +68,14 @@ def run(llm: LLM, prompts: list[str], concurrency: int, max_tokens: int) -> dict
             "accepted_per_pos": [round(p, 3) for p in per_pos], "outputs": outputs}
 
 
+def draft_label(kind: str, draft: Path, drafts: list[Path]) -> str:
+    """``kind:name``, or ``kind:parent/name`` when another draft has the same folder name (runs
+    keep their best draft in ``RUN/draft``), so no draft's results replace another's."""
+    if sum(d.name == draft.name for d in drafts) > 1:
+        return f"{kind}:{draft.parent.name}/{draft.name}"
+    return f"{kind}:{draft.name}"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     drafts = [default_draft_for(args.model) if d == "default" else Path(d) for d in args.draft]
     if None in drafts:
         raise SystemExit("No shipped draft for this model; pass --draft PATH")
+    if len({str(d.resolve()) for d in drafts}) < len(drafts):
+        raise SystemExit("a --draft folder is given twice")
     common = dict(model=args.model, dtype=args.dtype, max_model_len=2048,
                   max_num_seqs=max(args.concurrency, 8))
     engines = {}
@@ -104,8 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             spec["num_speculative_tokens"] = args.num_speculative_tokens
         llm = LLM(speculative_config=spec, **common)
         kind = "dflash2" if type(llm.engine.proposer).__name__ == "DFlash2Proposer" else "dflash"
-        label = f"{kind}:{draft.name}"
-        engines[label] = (draft, llm)
+        engines[draft_label(kind, draft, drafts)] = (draft, llm)
     if args.skip_speed and args.skip_acceptance:
         raise SystemExit("--skip-speed and --skip-acceptance leave nothing to measure")
     plain = None if args.skip_speed else LLM(speculative_config=None, **common)
