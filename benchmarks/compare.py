@@ -324,6 +324,10 @@ def run_interleaved(systems: Sequence[ServerSystem], rounds: Sequence[Sequence[P
             for r, points in enumerate(rounds):
                 k = r % max(1, len(started))
                 for system, server, model in started[k:] + started[:k]:
+                    # let the previous server go idle first: vLLM's workers keep polling their
+                    # queue for a second after a step (measured: the server measured right after
+                    # vLLM saw twice the TTFT of one measured after ours)
+                    time.sleep(args.settle)
                     row = bench_point(system, server, model, points[i], args, result_dir,
                                       tokenizer, warmup=i == 0 and r == 0, tag=f"-r{r}")
                     rows.append({**row, "round": r})
@@ -643,6 +647,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="paired rounds: all servers up at once, each point measured once per "
                         "round on every server in rotating order, new prompts each round; the "
                         "tables show the median round and the ratios per round")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="paired rounds: seconds to wait before each measurement, so the server "
+                        "measured before is idle")
     return p
 
 

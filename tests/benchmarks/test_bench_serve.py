@@ -3,6 +3,7 @@ timings, its stream parsing on a mock transport, and compare.py's table/plot ren
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -450,7 +451,8 @@ def test_paired_rounds_rotate_the_order_and_take_new_prompts(monkeypatch, tmp_pa
     systems = [compare.ServerSystem(n, 0, [], {}) for n in ("a", "b", "c")]
     qs = [f"q{i}" for i in range(12)]
     rounds = [compare.plan(qs[r * 4:] + qs[: r * 4], [1, 2], [8], 1, 2) for r in range(3)]
-    rows, notes = compare.run_interleaved(systems, rounds, None, tmp_path, None)
+    args = argparse.Namespace(settle=0.0)
+    rows, notes = compare.run_interleaved(systems, rounds, args, tmp_path, None)
     assert notes == [] and sorted(stopped) == ["a", "b", "c"]
     assert [c[0] for c in calls] == list("abcbcacab") * 2  # per point: rounds 0, 1, 2
     first = [c for c in calls if c[1] == 1]
