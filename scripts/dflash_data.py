@@ -210,17 +210,15 @@ def subset(args) -> None:
         raise SystemExit(f"{args.source} holds {len(lines)} sequences, fewer than "
                          f"--first {args.first} + --random {args.random}")
     picked = sorted(random.Random(args.seed).sample(range(args.first, len(lines)), args.random))
-    args.out.mkdir(parents=True, exist_ok=True)
-    if (args.out / "sequences.jsonl").exists():
-        old = (args.out / "sequences.jsonl").read_text().splitlines()
-        new = lines[: args.first] + [lines[i] for i in picked]
-        if old != new:
-            raise SystemExit(f"{args.out}/sequences.jsonl exists and differs; remove it first")
+    kept = lines[: args.first] + [lines[i] for i in picked]
+    path = args.out / "sequences.jsonl"
+    if path.exists():
+        if path.read_text().splitlines() != kept:
+            raise SystemExit(f"{path} exists and differs; remove it first")
         return
-    with (args.out / "sequences.jsonl").open("w") as f:
-        for line in lines[: args.first] + [lines[i] for i in picked]:
-            f.write(line + "\n")
-    print(f"{args.out}: {args.first + args.random} of {len(lines)} sequences", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in kept))
+    print(f"{args.out}: {len(kept)} of {len(lines)} sequences", flush=True)
 
 
 def capture(engine, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
