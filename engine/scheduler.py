@@ -198,6 +198,7 @@ class Scheduler:
             # request) are what the controller chooses between
             whole = decoding == len(plan.scheduled)
             ctl.observe_step(len(plan.scheduled), plan.num_tokens, drafted, result.elapsed,
+                             draft_seconds=result.draft_elapsed,
                              verified=verified, expected=expected if whole else None,
                              produced=produced if whole else None)
         return appended

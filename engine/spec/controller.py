@@ -177,12 +177,13 @@ class SpecController:
 
     def observe_step(self, rows: int, tokens: int, drafted_rows: int, seconds: float, *,
                      verified: int = 0, expected: float | None = None,
-                     produced: int | None = None) -> None:
+                     produced: int | None = None, draft_seconds: float | None = None) -> None:
         """One real step's wall time refines the cost model (saved now and then).
 
         ``expected``/``produced``: tokens the sampling rows were expected to produce (from
         :meth:`expected_tokens`) and did produce, given only for steps in which every row
-        samples; they feed the realized-gain check."""
+        samples; they feed the realized-gain check. ``draft_seconds``: the part of
+        ``seconds`` the proposer took (see :meth:`StepCostModel.observe`)."""
         if self.cost is None:
             return
         if expected is not None and produced is not None:
@@ -190,7 +191,7 @@ class SpecController:
             predicted = self.cost.step_time(rows, tokens) + self.cost.draft_time(drafted_rows)
             self.realized.observe(self.cost.row_bucket(rows), verified > 0 or drafted_rows > 0,
                                   expected, produced, predicted, seconds)
-        self.cost.observe(rows, tokens, drafted_rows, seconds)
+        self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds)
         self._steps_since_save += 1
         if self.on_refined is not None and self._steps_since_save >= self.refine_save_every:
             self._steps_since_save = 0

@@ -244,6 +244,27 @@ def test_cost_online_refinement_moves_toward_measurements():
     assert m.step_time(16, 16) == plain and m.step_time(16, 32) > 1.5 * two
 
 
+def test_cost_refinement_with_the_draft_timed_apart():
+    """One stream drafting every step visits only verify-and-draft steps. With the proposer's
+    time known, the draft curve and the table each learn their own part; from the step's total
+    alone the draft curve absorbed the table's error (here: a one-row line 20% too high priced
+    the draft pass at nothing)."""
+    m = cost_model(per_token=0.002, draft=0.007, base=0.08)  # the table says 80 ms; it is 68
+    for _ in range(200):
+        m.observe(1, 2, 1, 0.068 + 0.007, draft_seconds=0.007)
+    assert m.draft_time(1) == pytest.approx(0.007, rel=0.01)
+    assert m.step_time(1, 2) == pytest.approx(0.068, rel=0.02)
+    old = cost_model(per_token=0.002, draft=0.007, base=0.08)
+    for _ in range(200):
+        old.observe(1, 2, 1, 0.068 + 0.007)  # no split: the draft looks free
+    assert old.draft_time(1) < 1e-6
+    # a drafting plain decode (no drafts verified) is a plain step plus the draft pass
+    for _ in range(200):
+        m.observe(1, 1, 1, 0.060 + 0.010, draft_seconds=0.010)
+    assert m.step_time(1, 1) == pytest.approx(0.060, rel=0.02)
+    assert m.draft_time(1) == pytest.approx(0.010, rel=0.01)
+
+
 def test_cost_refinement_between_ladder_rows_moves_both_neighbours():
     m = cost_model(per_token=0.0, draft=0.0)  # rows 1, 4, 16, 64
     target = 1.2 * m.step_time(32, 32)
