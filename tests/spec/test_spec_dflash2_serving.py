@@ -173,6 +173,14 @@ class _NearTargetProposer:
     def __init__(self, hf, k, setting):
         self.hf, self.num_speculative_tokens, self.setting = hf, k, setting
         self.gen = torch.Generator().manual_seed(0)
+        self.logits: dict[tuple[int, ...], torch.Tensor] = {}  # the same few contexts recur
+
+    def _last_logits(self, ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in self.logits:
+            with torch.inference_mode():
+                self.logits[key] = self.hf(torch.tensor([ids])).logits[0, -1]
+        return self.logits[key]
 
     def layer_specs(self):
         return []
@@ -190,8 +198,7 @@ class _NearTargetProposer:
             ids = req.prompt_token_ids + req.output_token_ids + it.sampled
             drafts, qs = [], []
             for _ in range(self.num_speculative_tokens):
-                with torch.inference_mode():
-                    logits = self.hf(torch.tensor([ids])).logits[0, -1]
+                logits = self._last_logits(ids)
                 # temperature 1.5 over the top 8, never the target's truncation: q != p
                 q = torch.softmax(logits.topk(8).values / 1.5, -1)
                 cand = logits.topk(8).indices
