@@ -177,7 +177,7 @@ class SpecController:
 
     def observe_step(self, rows: int, tokens: int, drafted_rows: int, seconds: float, *,
                      verified: int = 0, expected: float | None = None,
-                     produced: int | None = None, draft_seconds: float | None = None) -> None:
+                     produced: int | None = None, draft_seconds: float = 0.0) -> None:
         """One real step's wall time refines the cost model (saved now and then).
 
         ``expected``/``produced``: tokens the sampling rows were expected to produce (from

@@ -104,16 +104,16 @@ class StepCostModel:
         return [(i - 1, 1.0 - w), (i, w)]
 
     def observe(self, rows: int, tokens: int, drafted_rows: int, seconds: float,
-                draft_seconds: float | None = None) -> None:
-        """Fold one real step's wall time into the cells it was interpolated from (or into
-        the draft curve), each in proportion to its interpolation weight.
+                draft_seconds: float = 0.0) -> None:
+        """Fold one real step's wall time into the cells it was interpolated from, each in
+        proportion to its interpolation weight.
 
-        ``draft_seconds``, the proposer's part of a drafting step timed on its own, refines
-        the draft curve and the rest refines the table like any step. Without it the draft
-        curve gets the step's time beyond the table's prediction, which made it absorb every
-        error of a table that only drafting steps visit: one stream drafting every step on an
-        AVX2 CPU had the table's one-row line at 77-80 ms where its steps took 68 and the
-        draft pass (6.6-7.8 ms at startup) priced at nothing."""
+        ``draft_seconds``: the proposer's part of ``seconds``, timed on its own by the runner.
+        It refines the draft curve, and the rest refines the table like any step. (Refining
+        the draft curve from the step's time beyond the table's prediction instead made it
+        absorb every error of a table that only drafting steps visit: one stream drafting every
+        step on an AVX2 CPU had the table's one-row line at 77-80 ms where its steps took 68
+        and the draft pass, 6.6-7.8 ms at startup, priced at nothing.)"""
         if rows <= 0 or seconds <= 0:
             return
         q = tokens / rows
@@ -123,10 +123,6 @@ class StepCostModel:
         base = self.step_time(rows, tokens)
         if drafted_rows > 0:
             d = self.row_bucket(drafted_rows)
-            if draft_seconds is None:
-                residual = min(max(0.0, seconds - base), 2 * self.draft[d] + base)
-                self.draft[d] = (1 - a) * self.draft[d] + a * residual
-                return
             # a stall of the machine is not a trend: one step moves the curve boundedly
             spent = min(max(0.0, draft_seconds), 2 * self.draft[d] + base)
             self.draft[d] = (1 - a) * self.draft[d] + a * spent

@@ -231,7 +231,7 @@ def test_cost_online_refinement_moves_toward_measurements():
         m.observe(1, 8, 0, 0.04)  # verifying 8 tokens really costs twice a decode
     assert m.step_time(1, 8) == pytest.approx(0.04, rel=0.02)
     for _ in range(100):
-        m.observe(1, 1, 1, 0.03)  # a decode step with a draft pass: the draft costs 10 ms
+        m.observe(1, 1, 1, 0.03, draft_seconds=0.01)  # a decode step with a 10 ms draft pass
     assert m.draft_time(1) == pytest.approx(0.01, rel=0.05)
     before = m.step_time(1, 1)
     m.observe(1, 500, 0, 5.0)  # a prefill-sized step is outside the grid: ignored
@@ -246,18 +246,13 @@ def test_cost_online_refinement_moves_toward_measurements():
 
 def test_cost_refinement_with_the_draft_timed_apart():
     """One stream drafting every step visits only verify-and-draft steps. With the proposer's
-    time known, the draft curve and the table each learn their own part; from the step's total
-    alone the draft curve absorbed the table's error (here: a one-row line 20% too high priced
-    the draft pass at nothing)."""
+    time known, the draft curve and the table each learn their own part (from the step's total
+    alone, as before, a one-row line 20% too high priced the draft pass at nothing)."""
     m = cost_model(per_token=0.002, draft=0.007, base=0.08)  # the table says 80 ms; it is 68
     for _ in range(200):
         m.observe(1, 2, 1, 0.068 + 0.007, draft_seconds=0.007)
     assert m.draft_time(1) == pytest.approx(0.007, rel=0.01)
     assert m.step_time(1, 2) == pytest.approx(0.068, rel=0.02)
-    old = cost_model(per_token=0.002, draft=0.007, base=0.08)
-    for _ in range(200):
-        old.observe(1, 2, 1, 0.068 + 0.007)  # no split: the draft looks free
-    assert old.draft_time(1) < 1e-6
     # a drafting plain decode (no drafts verified) is a plain step plus the draft pass
     for _ in range(200):
         m.observe(1, 1, 1, 0.060 + 0.010, draft_seconds=0.010)
