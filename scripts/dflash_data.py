@@ -57,11 +57,12 @@ SOURCES = ["gsm8k_train", "self_instruct", *SELFGEN_FILES]
 
 
 def training_prompts(num_gsm8k: int, data_dir: Path = prompt_sets.DATA_DIR,
-                     out: Path | None = None) -> list[dict]:
-    """Training prompts (``num_gsm8k`` 0: all of GSM8K train); with ``out``, also the
-    self-generated ones found there (rows with ``history``: earlier turns, user first)."""
-    rows = [{"source": "gsm8k_train", "prompt": q}
-            for q in prompt_sets.gsm8k_questions("train", num_gsm8k, data_dir)]
+                     out: Path | None = None, gsm8k_from: int = 0) -> list[dict]:
+    """Training prompts: ``num_gsm8k`` GSM8K train questions from index ``gsm8k_from`` (0: all
+    the rest); with ``out``, also the self-generated ones found there (rows with ``history``:
+    earlier turns, user first)."""
+    questions = prompt_sets.gsm8k_questions("train", None, data_dir)[gsm8k_from:]
+    rows = [{"source": "gsm8k_train", "prompt": q} for q in questions[:num_gsm8k or None]]
     seed = prompt_sets.read_jsonl(data_dir / "self_instruct_seed_tasks.jsonl")
     user = prompt_sets.read_jsonl(data_dir / "self_instruct_user_oriented.jsonl")
     for row in seed + user[:-HELD_OUT]:
@@ -117,7 +118,7 @@ def generate(args, llm: LLM | None = None) -> None:
     done: set[tuple] = set()
     if path.exists():
         done = {row_key(row) for row in map(json.loads, path.open())}
-    rows = training_prompts(args.num_gsm8k, out=args.out)
+    rows = training_prompts(args.num_gsm8k, out=args.out, gsm8k_from=args.gsm8k_from)
     todo = [r for r in rows if row_key(r) not in done
             and (not args.sources or r["source"] in args.sources)]
     if args.interleave:
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None, llm: LLM | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--num-gsm8k", type=int, default=2400)
+    p.add_argument("--gsm8k-from", type=int, default=0,
+                   help="index of the first GSM8K train question used (a later piece of data can "
+                        "skip the questions an earlier draft trained on)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--batch", type=int, default=48)

@@ -230,10 +230,10 @@ def index_of(texts) -> NearDupIndex:
     return idx
 
 
-def base_training_prompts(num_gsm8k: int) -> list[str]:
+def base_training_prompts(num_gsm8k: int, gsm8k_from: int = 0) -> list[str]:
     from dflash_data import training_prompts
 
-    return [r["prompt"] for r in training_prompts(num_gsm8k)]
+    return [r["prompt"] for r in training_prompts(num_gsm8k, gsm8k_from=gsm8k_from)]
 
 
 # --------------------------------------------------------------------------- sampling
@@ -317,7 +317,7 @@ def first_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     raw_path = args.out / "selfgen_raw.jsonl"
     evals = index_of(eval_prompts())
-    base = base_training_prompts(args.num_gsm8k)
+    base = base_training_prompts(args.num_gsm8k, args.gsm8k_from)
     gen = None
     while True:
         raw = read_jsonl(raw_path)
@@ -444,7 +444,8 @@ def pipeline(args) -> None:
     first_turns(args, llm, deadline)
     gen_argv = ["generate", "--out", str(args.out), "--model", args.model, "--dtype", args.dtype,
                 "--device", args.device,
-                "--num-gsm8k", str(args.num_gsm8k), "--max-tokens", str(args.max_tokens),
+                "--num-gsm8k", str(args.num_gsm8k), "--gsm8k-from", str(args.gsm8k_from),
+                "--max-tokens", str(args.max_tokens),
                 "--max-model-len", str(args.max_model_len), "--batch", str(args.batch),
                 "--interleave"]
     first = deadline
@@ -483,6 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-samples", type=int, default=10**6, help="stop sampling after this many")
     p.add_argument("--num-gsm8k", type=int, default=2400,
                    help="GSM8K train questions in the training set (0: all 7,473)")
+    p.add_argument("--gsm8k-from", type=int, default=0, help="first GSM8K train question used")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -25,6 +25,15 @@ def test_held_out_prompts_are_never_training_prompts():
     assert len(held) >= data.HELD_OUT and not train & set(held)
 
 
+def test_gsm8k_from_skips_the_questions_an_earlier_piece_used():
+    every = [r["prompt"] for r in data.training_prompts(0) if r["source"] == "gsm8k_train"]
+    later = [r["prompt"] for r in data.training_prompts(0, gsm8k_from=4100)
+             if r["source"] == "gsm8k_train"]
+    window = [r["prompt"] for r in data.training_prompts(3, gsm8k_from=10)
+              if r["source"] == "gsm8k_train"]
+    assert later == every[4100:] and window == every[10:13]
+
+
 def test_generate_resumes_by_prompt_and_features_rebuild_only_changed_shards(tmp_path):
     common = ["--out", str(tmp_path), "--sources", "gsm8k_train", "--max-tokens", "4",
               "--batch", "2", "--dtype", "float32"]
