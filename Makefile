@@ -72,6 +72,8 @@ bench-peers:
 # Stage 1: the target's answers to GSM8K train and self-instruct prompts, trained from scratch.
 # Stage 2: the target's answers to prompts it wrote itself (scripts/self_synth.py) plus all of
 # GSM8K train, a 4,500-sequence subset of them, training continued from stage 1's draft.
+# Stage 3: new data (self-written prompts of another seed, GSM8K train from question 4,100, a
+# few second turns), all of it with features, training continued from stage 2's draft.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
@@ -80,6 +82,10 @@ TRAIN_ARGS  ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 
 DRAFT_DATA2 ?= $(HOME)/.cache/specserve/dflash-data-v2
 DRAFT_SUB   ?= $(HOME)/.cache/specserve/dflash-data-v2-sub
 DRAFT_RUN2  ?= $(HOME)/.cache/specserve/dflash-run2
+DRAFT_DATA3 ?= $(HOME)/.cache/specserve/dflash-data-v3
+DRAFT_RUN3  ?= $(HOME)/.cache/specserve/dflash-run3
+SYNTH_ARGS3 ?= --seed 2 --num 3200 --turn2 300 --num-gsm8k 0 --gsm8k-from 4100 --max-tokens 384 \
+               --batch 64 --chunk 512
 SYNTH_ARGS  ?= --num 8000 --turn2 600 --num-gsm8k 7473 --max-tokens 384 --batch 64 --chunk 512
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
@@ -92,8 +98,12 @@ train-draft: setup
 	$(PY) scripts/dflash_data.py features --out $(DRAFT_SUB)
 	$(PY) scripts/train_dflash.py --data $(DRAFT_SUB) --out $(DRAFT_RUN2) $(TRAIN_ARGS2) \
 	    --init $(DRAFT_RUN)/draft --resume
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA3) $(SYNTH_ARGS3)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA3) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA3) --out $(DRAFT_RUN3) $(TRAIN_ARGS2) \
+	    --init $(DRAFT_RUN2)/draft --resume
 	mkdir -p models/drafts/smollm2-135m-instruct-dflash
-	cp $(DRAFT_RUN2)/draft/* models/drafts/smollm2-135m-instruct-dflash/
+	cp $(DRAFT_RUN3)/draft/* models/drafts/smollm2-135m-instruct-dflash/
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
 # image size and start-to-healthy seconds (starts Docker if needed, which takes root).
