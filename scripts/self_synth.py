@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turn2", type=int, default=0, help="second user turns to keep")
     p.add_argument("--max-samples", type=int, default=10**6, help="stop sampling after this many")
     p.add_argument("--num-gsm8k", type=int, default=2400,
-                   help="GSM8K train questions in the training set (0: all 7,473)")
+                   help="GSM8K train questions in the training set, from --gsm8k-from (0: all the rest)")
     p.add_argument("--gsm8k-from", type=int, default=0, help="first GSM8K train question used")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.9)
