@@ -236,6 +236,12 @@ def base_training_prompts(num_gsm8k: int, gsm8k_from: int = 0) -> list[str]:
     return [r["prompt"] for r in training_prompts(num_gsm8k, gsm8k_from=gsm8k_from)]
 
 
+def earlier_prompts(dirs: list[Path], name: str) -> list[str]:
+    """The self-generated prompts kept in earlier data folders (``--dedup-against``), so a new
+    piece of data does not repeat them."""
+    return [r["prompt"] for d in dirs for r in read_jsonl(d / name)]
+
+
 # --------------------------------------------------------------------------- sampling
 
 def make_llm(args):
@@ -318,6 +324,7 @@ def first_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
     raw_path = args.out / "selfgen_raw.jsonl"
     evals = index_of(eval_prompts())
     base = base_training_prompts(args.num_gsm8k, args.gsm8k_from)
+    base += earlier_prompts(args.dedup_against, "selfgen_prompts.jsonl")
     gen = None
     while True:
         raw = read_jsonl(raw_path)
@@ -362,9 +369,10 @@ def second_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
     evals = index_of(eval_prompts())
     llm = llm or make_llm(args)
     parents = _answered_first_turns(args.out, llm.get_tokenizer())
+    earlier = earlier_prompts(args.dedup_against, "selfgen_turn2_prompts.jsonl")
     while True:
         raw = read_jsonl(raw_path)
-        kept, counts = select(raw, NearDupIndex(), evals, special_ids_of(llm))
+        kept, counts = select(raw, index_of(earlier), evals, special_ids_of(llm))
         print(f"selfgen_turn2: {len(kept)} kept of {len(raw)} samples "
               f"({len(parents)} answered first turns) {counts}", flush=True)
         done = {r["index"] for r in raw}
@@ -448,12 +456,14 @@ def pipeline(args) -> None:
                 "--max-tokens", str(args.max_tokens),
                 "--max-model-len", str(args.max_model_len), "--batch", str(args.batch),
                 "--interleave"]
+    only = ["--sources", *args.sources] if args.sources else []
     first = deadline
     if deadline is not None and args.turn2:
         # a bounded run leaves a quarter of what remains for the second turns and their answers
         first = time.time() + 0.75 * max(0.0, deadline - time.time())
-    dflash_data.main(gen_argv + (["--deadline", str(first)] if first else []), llm=llm)
-    if args.turn2 and (deadline is None or time.time() < deadline):
+    dflash_data.main(gen_argv + only + (["--deadline", str(first)] if first else []), llm=llm)
+    if args.turn2 and (deadline is None or time.time() < deadline) and \
+            (not args.sources or "selfgen_turn2" in args.sources):
         second_turns(args, llm, deadline)
         dflash_data.main(gen_argv + ["--sources", "selfgen_turn2"]
                          + (["--deadline", str(deadline)] if deadline else []), llm=llm)
@@ -495,6 +505,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=256, help="prompts per LLM.generate call")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds (prompts, turn2, pipeline): no new chunk or prompt after it")
+    p.add_argument("--dedup-against", type=Path, nargs="+", default=[],
+                   help="earlier data folders: their kept self-generated prompts count as "
+                        "training prompts for deduplication")
+    p.add_argument("--sources", nargs="+", choices=dflash_data.SOURCES, default=None,
+                   help="pipeline: answer only these sources (dflash_data.py's names; "
+                        "default: all)")
     p.add_argument("--features", action="store_true", help="pipeline: also extract features")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     args = p.parse_args(argv)

@@ -351,16 +351,24 @@ def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dic
 
 def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
     """Start from a saved draft's weights (continued training on new data). Its shape, taps and
-    block size must equal this run's; its vocabulary mapping is not taken: the run's own,
-    derived from its training data, stays, since the draft's weights do not depend on which
-    rows of the frozen head it scores."""
+    block size must equal this run's, except that this run may have more layers: the saved
+    layers are loaded and each extra one starts as a copy of the last with its output
+    projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so the deeper draft begins as
+    exactly the saved one (the extra layers add nothing to the residual stream) and learns what
+    the extra depth buys. Its vocabulary mapping is not taken: the run's own, derived from its
+    training data, stays, since the draft's weights do not depend on which rows of the frozen
+    head it scores."""
     from models.hf_folder import iter_safetensors, load_hf_config
 
     saved = load_hf_config(folder)
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "block_size"):
         if saved.get(key) != hf.get(key):
             raise ValueError(f"--init {folder}: {key} is {saved.get(key)}, this run has {hf.get(key)}")
+    have, want = saved.get("num_hidden_layers"), hf.get("num_hidden_layers")
+    if not isinstance(have, int) or not 1 <= have <= want:
+        raise ValueError(f"--init {folder}: {have} layers; this run has {want} (it may add "
+                         "layers, not drop them)")
     taps = (saved.get("dflash_config") or {}).get("target_layer_ids")
     if taps != hf["dflash_config"]["target_layer_ids"]:
         raise ValueError(f"--init {folder}: taps {taps}, this run has "
@@ -368,8 +376,20 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
     if saved.get("architectures") != hf.get("architectures"):
         raise ValueError(f"--init {folder}: a {saved.get('architectures')} draft, this run trains "
                          f"{hf.get('architectures')}")
-    draft.load_weights((name, t) for name, t in iter_safetensors(folder)
-                       if name.removeprefix("model.") not in (D2T_KEY, "t2d"))
+
+    def weights():
+        last = f"layers.{have - 1}."
+        for name, t in iter_safetensors(folder):
+            key = name.removeprefix("model.")
+            if key in (D2T_KEY, "t2d"):
+                continue
+            yield name, t
+            if key.startswith(last):
+                zero = key.endswith(("o_proj.weight", "down_proj.weight"))
+                for i in range(have, want):
+                    yield f"layers.{i}." + key[len(last):], torch.zeros_like(t) if zero else t
+
+    draft.load_weights(weights())
     draft.mask_embedding.requires_grad_(True)  # loading freezes it (served drafts); train it
 
 
@@ -389,11 +409,16 @@ def load_frozen(model: str) -> tuple[Frozen, object]:
 def train(args) -> dict:
     torch.set_num_threads(args.threads) if args.threads else None
     frozen, target_cfg = load_frozen(args.model)
-    seqs = load_sequences(args.data, args.taps)
+    seqs = []
+    for folder in args.data:  # validation comes from the last (newest) folder
+        val_from = len(seqs)
+        seqs += load_sequences(folder, args.taps)
     if args.max_sequences:
         seqs = seqs[: args.max_sequences]
+        val_from = min(val_from, len(seqs))
     rng = random.Random(args.seed)
-    val, train_seqs = split_sequences(seqs, args.val_sequences, args.seed, args.train_tokens)
+    val, train_seqs = split_sequences(seqs, args.val_sequences, args.seed, args.train_tokens,
+                                      val_from)
     if args.draft_vocab:
         frozen = frozen.restrict(build_draft_vocab(train_seqs, args.draft_vocab,
                                                    frozen.embed.shape[0]))
@@ -482,18 +507,21 @@ def train(args) -> dict:
 
 
 def split_sequences(seqs: list[Sequence], val_sequences: int, seed: int,
-                    train_tokens: int = 0) -> tuple[list[Sequence], list[Sequence]]:
-    """Validation and training sequences. Validation is ``val_sequences`` (at most a tenth)
-    drawn at random with ``seed``; with ``train_tokens`` the training side is the other
-    sequences in data order up to that many response tokens, so runs with different budgets on
-    the same data share one validation set and each larger set contains the smaller ones."""
-    order = list(range(len(seqs)))
+                    train_tokens: int = 0, val_from: int = 0
+                    ) -> tuple[list[Sequence], list[Sequence]]:
+    """Validation and training sequences. Validation is ``val_sequences`` (at most a tenth of
+    its pool) drawn at random with ``seed`` from ``seqs[val_from:]`` (several data folders: the
+    newest one, so validation is new to a draft that trained on the earlier ones); with
+    ``train_tokens`` the training side is the other sequences in data order up to that many
+    response tokens, so runs with different budgets on the same data share one validation set
+    and each larger set contains the smaller ones."""
+    order = list(range(val_from, len(seqs)))
     random.Random(seed).shuffle(order)
-    n_val = min(val_sequences, len(seqs) // 10)
+    n_val = min(val_sequences, len(order) // 10)
+    held = set(order[:n_val])
     val = [seqs[i] for i in order[:n_val]]
     if not train_tokens:
-        return val, [seqs[i] for i in order[n_val:]]
-    held = set(order[:n_val])
+        return val, [seqs[i] for i in range(val_from)] + [seqs[i] for i in order[n_val:]]
     train_seqs, tokens = [], 0
     for i, seq in enumerate(seqs):
         if tokens >= train_tokens:
@@ -508,12 +536,17 @@ def split_sequences(seqs: list[Sequence], val_sequences: int, seed: int,
 
 
 def _jsonable(d: dict) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+    def one(v):
+        return str(v) if isinstance(v, Path) else [one(x) for x in v] if isinstance(v, list) else v
+
+    return {k: one(v) for k, v in d.items()}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="data folders (dflash_data.py's); with several, all train and the "
+                        "validation sequences come from the last")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--layers", type=int, default=1)

@@ -166,3 +166,42 @@ def test_self_generated_turns_are_answered_and_extended(tmp_path):
         [{"role": "user", "content": seqs[0]["prompt"]}, {"role": "assistant", "content": answer},
          {"role": "user", "content": "Another one?"}], tokenize=False, add_generation_prompt=True)
     assert seqs[1]["prompt_ids"] == tok.encode(expected)
+
+
+def test_dedup_against_an_earlier_folder_drops_its_prompts(tmp_path):
+    """A new piece of data (``--dedup-against OLD``) keeps none of the self-written prompts an
+    earlier folder already kept, first or second turns, and still keeps the new ones."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir(), new.mkdir()
+    seen = "Tell me three ways to keep a small garden watered in summer."
+    fresh = "Explain how a bicycle gear changes the effort needed to climb a hill."
+    (old / "selfgen_prompts.jsonl").write_text(json.dumps({"source": "selfgen", "prompt": seen}) + "\n")
+    rows = [{"index": i, "seed": i, "text": t, "finish_reason": "stop", "token_ids": [7, 8, 9]}
+            for i, t in enumerate([seen, fresh])]
+    (new / "selfgen_raw.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["prompts", "--out", str(new), "--num", "5", "--max-samples", "2", *COMMON]
+
+    synth.main(args)  # no earlier folder: both kept (the raw file is complete, nothing sampled)
+    assert [json.loads(x)["prompt"] for x in (new / "selfgen_prompts.jsonl").open()] == [seen, fresh]
+    synth.main([*args, "--dedup-against", str(old)])
+    assert [json.loads(x)["prompt"] for x in (new / "selfgen_prompts.jsonl").open()] == [fresh]
+    stats = json.loads((new / "selfgen_stats.json").read_text())["selfgen"]
+    assert stats["duplicate"] == 1 and stats["kept"] == 1
+    # second turns: compared with the earlier folder's second turns
+    (old / "selfgen_turn2_prompts.jsonl").write_text(
+        json.dumps({"source": "selfgen_turn2", "prompt": fresh, "history": ["a", "b"]}) + "\n")
+    assert synth.earlier_prompts([old], "selfgen_turn2_prompts.jsonl") == [fresh]
+    assert synth.earlier_prompts([old, tmp_path / "missing"], "selfgen_prompts.jsonl") == [seen]
+
+
+def test_pipeline_answers_only_the_sources_asked_for(tmp_path):
+    """``--sources`` leaves out what an earlier piece already answered (the self-instruct
+    prompts, answered the same way every time)."""
+    with pytest.raises(SystemExit):
+        synth.main(["pipeline", "--out", str(tmp_path), "--sources", "wikipedia"])
+    synth.main(["pipeline", "--out", str(tmp_path), "--num", "0", "--turn2", "1", "--max-tokens",
+                "3", "--sources", "gsm8k_train", "--gsm8k-from", "5", *COMMON])
+    seqs = [json.loads(line) for line in (tmp_path / "sequences.jsonl").open()]
+    assert [r["source"] for r in seqs] == ["gsm8k_train"]
+    assert seqs[0]["prompt"] == data.training_prompts(1, gsm8k_from=5)[0]["prompt"]
+    assert not (tmp_path / "selfgen_turn2_raw.jsonl").exists()  # not asked for: not sampled

@@ -326,3 +326,52 @@ def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
                                    _tiny_target_config(), other_vocab)
     with pytest.raises(ValueError, match="taps"):
         train.init_from(wrong, hf3, tmp_path / "saved")
+
+
+def test_init_grows_a_deeper_draft_that_starts_as_the_saved_one(tmp_path):
+    """``--init`` into a run with more layers: the extra layer is a copy of the last saved one
+    with zeroed output projections, so the 2-layer draft's loss equals the 1-layer draft's
+    before training, and its gradients reach the new layer; fewer layers are refused."""
+    from types import SimpleNamespace
+
+    from models.dflash_init import save_draft
+
+    _, frozen, seqs = _tiny_setup(tmp_path)
+    args = SimpleNamespace(layers=1, block_size=4, taps=[1, 2], ffn=48, max_positions=64, seed=5,
+                           dflash2=False)
+    saved, hf = train.build_draft(args, _tiny_target_config(), frozen)
+    save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
+    deep, hf2 = train.build_draft(SimpleNamespace(**{**vars(args), "layers": 2, "seed": 9}),
+                                  _tiny_target_config(), frozen)
+    train.init_from(deep, hf2, tmp_path / "saved")
+
+    got, want = deep.state_dict(), saved.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    for k, v in want.items():
+        if k.startswith("layers.0."):
+            new = got["layers.1." + k[len("layers.0."):]]
+            zero = k.endswith(("o_proj.weight", "down_proj.weight"))
+            assert torch.equal(new, torch.zeros_like(v) if zero else v), k
+    anchors = [3, 11, 20]
+    one = train.sequence_loss(saved, frozen, seqs[0], anchors, 3.0)[0]
+    two = train.sequence_loss(deep, frozen, seqs[0], anchors, 3.0)[0]
+    assert torch.allclose(one, two, atol=1e-6)
+    two.backward()
+    grads = {n: p.grad for n, p in deep.named_parameters() if n.startswith("layers.1.")}
+    assert any(g is not None and g.abs().sum() > 0 for n, g in grads.items() if "o_proj" in n)
+
+    save_draft(deep, hf2, tmp_path / "deep", dtype=torch.float32)
+    with pytest.raises(ValueError, match="layers"):
+        train.init_from(saved, hf, tmp_path / "deep")
+
+
+def test_several_folders_validate_on_the_newest_and_train_on_all():
+    """``--data OLD NEW``: validation is drawn from NEW only (new to a draft that trained on
+    OLD), and is the same draw as NEW alone would give; everything else trains."""
+    old = [train.Sequence(torch.arange(10), torch.zeros(10, 4), 4) for _ in range(30)]
+    new = [train.Sequence(torch.arange(12), torch.zeros(12, 4), 4) for _ in range(50)]
+    val, train_seqs = train.split_sequences(old + new, 5, seed=7, val_from=len(old))
+    alone_val, alone_train = train.split_sequences(new, 5, seed=7)
+    assert [id(s) for s in val] == [id(s) for s in alone_val]
+    assert [id(s) for s in train_seqs] == [id(s) for s in old] + [id(s) for s in alone_train]
