@@ -160,8 +160,8 @@ def generate(args, llm: LLM | None = None) -> None:
                 f.flush()
                 if finished % 32 == 0:
                     rate = tokens / (time.perf_counter() - start)
-                    print(f"{len(done) + finished}/{len(rows)} sequences, {rate:.0f} tok/s",
-                          flush=True)
+                    print(f"{finished}/{len(todo)} answered ({len(done)} before), "
+                          f"{rate:.0f} tok/s", flush=True)
     seconds = time.perf_counter() - start
     print(f"generated {finished} sequences, {tokens} response tokens in {seconds:.0f} s "
           f"({tokens / max(seconds, 1e-9):.1f} tok/s)", flush=True)

@@ -178,15 +178,20 @@ def filter_reason(text: str, finish_reason: str | None = "stop",
 
 
 def select(samples: list[dict], seen: NearDupIndex, evals: NearDupIndex,
-           special_ids: frozenset[int] = frozenset()) -> tuple[list[dict], dict]:
+           special_ids: frozenset[int] = frozenset(), require: str | None = None
+           ) -> tuple[list[dict], dict]:
     """Filter then deduplicate raw samples in index order. ``seen`` (other training prompts)
-    grows with every kept sample; ``evals`` holds the fixed evaluation prompts. Returns the
-    kept samples and counts per reason (``kept`` included)."""
+    grows with every kept sample; ``evals`` holds the fixed evaluation prompts; ``require``
+    (a regular expression, case-insensitive) drops turns that do not match it as
+    ``off_topic``. Returns the kept samples and counts per reason (``kept`` included)."""
     counts: Counter[str] = Counter()
     kept = []
+    topic = re.compile(require, re.IGNORECASE) if require else None
     for row in sorted(samples, key=lambda r: r["index"]):
         text = row["text"].strip()
         reason = filter_reason(text, row.get("finish_reason"), row.get("token_ids"), special_ids)
+        if reason is None and topic is not None and not topic.search(text):
+            reason = "off_topic"
         if reason is None and evals.similar(text):
             reason = "eval_overlap"
         if reason is None and seen.similar(text):
@@ -251,16 +256,19 @@ def make_llm(args):
                max_model_len=args.max_model_len, max_num_seqs=args.batch)
 
 
-def user_prefix(tok, history: list[str]) -> str:
+def user_prefix(tok, history: list[str], system: str | None = None) -> str:
     """Chat template text up to and including ``<|im_start|>user\\n``; ``history`` alternates
-    user and assistant turns (empty: the bare template, its default system turn included)."""
+    user and assistant turns (empty: the bare template). ``system`` replaces the template's
+    default system turn (a steer for what the user writes about; the answers are generated
+    later without it)."""
+    head = [{"role": "system", "content": system}] if system else []
     if not history:
-        t = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+        t = tok.apply_chat_template(head + [{"role": "user", "content": "\x00"}], tokenize=False,
                                     add_generation_prompt=False)
         return t[: t.index("\x00")]
     msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": m}
             for i, m in enumerate(history)]
-    return tok.apply_chat_template(msgs, tokenize=False) + USER_HEADER
+    return tok.apply_chat_template(head + msgs, tokenize=False) + USER_HEADER
 
 
 def sample_turns(llm, jobs: list[dict], raw_path: Path, args, deadline: float | None) -> dict:
@@ -277,7 +285,8 @@ def sample_turns(llm, jobs: list[dict], raw_path: Path, args, deadline: float | 
                 print("time limit reached", flush=True)
                 break
             chunk = jobs[c0 : c0 + args.chunk]
-            prompts = [tok.encode(user_prefix(tok, j.get("history", []))) for j in chunk]
+            prompts = [tok.encode(user_prefix(tok, j.get("history", []), args.user_system))
+                       for j in chunk]
             # a conversation too long to leave room for the turn is recorded, not sampled
             fits = [len(ids) + args.max_user_tokens <= args.max_model_len for ids in prompts]
             for j, ok in zip(chunk, fits):
@@ -329,7 +338,7 @@ def first_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
     while True:
         raw = read_jsonl(raw_path)
         kept, counts = select(raw, index_of(base), evals,
-                              special_ids_of(llm) if llm else frozenset({0, 1, 2}))
+                              special_ids_of(llm) if llm else frozenset({0, 1, 2}), args.require)
         print(f"selfgen: {len(kept)} kept of {len(raw)} samples {counts}", flush=True)
         if len(kept) >= args.num or len(raw) >= args.max_samples or \
                 (deadline is not None and time.time() > deadline):
@@ -348,6 +357,8 @@ def first_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
         for r in kept:
             f.write(json.dumps({"source": "selfgen", "prompt": r["text"], "index": r["index"]}) + "\n")
     _stats_update(args.out, "selfgen", counts)
+    _stats_update(args.out, "selfgen_steer", {"user_system": args.user_system,
+                                              "require": args.require})
     return kept
 
 
@@ -372,7 +383,7 @@ def second_turns(args, llm=None, deadline: float | None = None) -> list[dict]:
     earlier = earlier_prompts(args.dedup_against, "selfgen_turn2_prompts.jsonl")
     while True:
         raw = read_jsonl(raw_path)
-        kept, counts = select(raw, index_of(earlier), evals, special_ids_of(llm))
+        kept, counts = select(raw, index_of(earlier), evals, special_ids_of(llm), args.require)
         print(f"selfgen_turn2: {len(kept)} kept of {len(raw)} samples "
               f"({len(parents)} answered first turns) {counts}", flush=True)
         done = {r["index"] for r in raw}
@@ -409,7 +420,7 @@ def heldout(args) -> None:
     while True:
         raw = read_jsonl(raw_path)
         kept, counts = select(raw, index_of(train), index_of(others),
-                              special_ids_of(llm) if llm else frozenset({0, 1, 2}))
+                              special_ids_of(llm) if llm else frozenset({0, 1, 2}), args.require)
         print(f"heldout: {len(kept)} kept of {len(raw)} {counts}", flush=True)
         if len(kept) >= args.num or len(raw) >= args.max_samples:
             break
@@ -511,6 +522,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sources", nargs="+", choices=dflash_data.SOURCES, default=None,
                    help="pipeline: answer only these sources (dflash_data.py's names; "
                         "default: all)")
+    p.add_argument("--user-system", default=None,
+                   help="system turn the target sees while it writes user turns (first and "
+                        "second), e.g. to ask for programming requests; the answers are "
+                        "generated with the default template. Use a fresh --out per steer: the "
+                        "raw samples do not record it")
+    p.add_argument("--require", default=None,
+                   help="regular expression (case-insensitive) a user turn must match to be "
+                        "kept; the others count as off_topic")
     p.add_argument("--features", action="store_true", help="pipeline: also extract features")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     args = p.parse_args(argv)

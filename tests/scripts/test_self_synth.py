@@ -85,6 +85,37 @@ def test_select_keeps_index_order_and_counts_reasons():
     assert seen.similar("write a haiku about the sea at night please")  # kept ones join `seen`
 
 
+def test_require_drops_turns_off_the_topic():
+    code = r"\b(python|function|sql|code)\b"
+    rows = [
+        {"index": 0, "text": "Write a Python function that merges two sorted lists.", "finish_reason": "stop"},
+        {"index": 1, "text": "How do I grow tomatoes on a small balcony in winter?", "finish_reason": "stop"},
+        {"index": 2, "text": "Why does my SQL query return duplicate rows?", "finish_reason": "stop"},
+        {"index": 3, "text": "Fix this code", "finish_reason": "length"},  # other filters first
+    ]
+    kept, counts = synth.select(rows, synth.index_of([]), synth.index_of([]), require=code)
+    assert [r["index"] for r in kept] == [0, 2]
+    assert counts == {"samples": 4, "kept": 2, "off_topic": 1, "truncated": 1}
+    kept, counts = synth.select(rows, synth.index_of([]), synth.index_of([]))
+    assert len(kept) == 3 and "off_topic" not in counts
+
+
+def test_user_prefix_steers_with_a_system_turn():
+    from models.hf_folder import load_tokenizer
+    from models.resolve import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    bare = synth.user_prefix(tok, [])
+    steer = "The user asks for code."
+    first = synth.user_prefix(tok, [], steer)
+    second = synth.user_prefix(tok, ["Sort a list in Python?", "Use sorted()."], steer)
+    assert bare.endswith(synth.USER_HEADER) and first.endswith(synth.USER_HEADER)
+    assert steer not in bare and first.count(steer) == 1 and second.count(steer) == 1
+    # the steer replaces the default system turn instead of adding a second one
+    assert first.count("<|im_start|>system") == bare.count("<|im_start|>system") == 1
+    assert second.index(steer) < second.index("Sort a list") < second.index("Use sorted()")
+
+
 def test_interleave_and_row_keys():
     rows = [{"source": "a", "prompt": "1"}, {"source": "a", "prompt": "2"},
             {"source": "a", "prompt": "3"}, {"source": "b", "prompt": "x"}]
