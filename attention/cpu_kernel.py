@@ -43,18 +43,7 @@ def load(verbose: bool = False):
         if _module is not None or _error is not None:
             return _module
         try:
-            from torch.utils.cpp_extension import load as load_ext
-
-            _BUILD.mkdir(parents=True, exist_ok=True)
-            _clear_stale_lock()
-            _module = load_ext(
-                name="specserve_cpu_kernels",
-                sources=[str(src) for src in _SOURCES],
-                extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_BUILD),
-                verbose=verbose,
-            )
+            _module = build_extension("specserve_cpu_kernels", _SOURCES, _BUILD, verbose=verbose)
         except Exception as exc:  # no compiler, no ninja, build error: keep the SDPA path
             _error = f"{type(exc).__name__}: {exc}"
             log.warning("CPU kernels unavailable (SDPA attention, PyTorch layer ops): %s",
@@ -62,10 +51,29 @@ def load(verbose: bool = False):
     return _module
 
 
-def _clear_stale_lock(max_age_s: float = 600.0) -> None:
+def build_extension(name: str, sources: list[Path], build: Path, *, include_dirs=(),
+                    ldflags=(), verbose: bool = False):
+    """Build (once; torch's builder keeps the result in ``build``) and import a C++ extension
+    compiled for this CPU with OpenMP; raises when it cannot be built."""
+    from torch.utils.cpp_extension import load as load_ext
+
+    build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build)
+    return load_ext(
+        name=name,
+        sources=[str(src) for src in sources],
+        extra_cflags=_FLAGS,
+        extra_ldflags=["-fopenmp", *ldflags],
+        extra_include_paths=[str(d) for d in include_dirs],
+        build_directory=str(build),
+        verbose=verbose,
+    )
+
+
+def _clear_stale_lock(build: Path, max_age_s: float = 600.0) -> None:
     """torch's extension builder waits forever on ``build/lock``; a build killed midway (Ctrl-C
     on first start) leaves it behind. A build takes about a minute, so an old lock is stale."""
-    lock = _BUILD / "lock"
+    lock = build / "lock"
     try:
         if time.time() - lock.stat().st_mtime > max_age_s:
             log.warning("removing stale kernel build lock %s", lock)

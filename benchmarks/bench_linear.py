@@ -1,16 +1,22 @@
-"""The matrix products of a decode step: ``F.linear`` against oneDNN-packed weights.
+"""The matrix products of a decode step three ways: ``F.linear``, PyTorch's oneDNN-packed
+weights (``mkldnn._linear_pointwise``, one row padded to ``--pad`` rows as ``layers.linear``
+must for row-count invariance), and the direct oneDNN path (``models/onednn.py``, one row as
+is).
 
 SmolLM2-135M-Instruct's shapes by default (QKV 576->960, O 576->576, gate/up 576->3072, down
-1536->576 per layer, LM head 576->49152), random weights, the weight of each call hot in cache
-(calls repeat). Prints, per row count, the milliseconds of one step's products (30 layers x 4
-projections + the LM head) both ways, and whether the packed rows have ``F.linear``'s bits.
+1536->576 per layer, LM head 576->49152), random weights, a distinct weight per layer as in a
+real step (so they come from memory). Each round times one step's products (30 layers x 4
+projections + the LM head) once per way, in turn; the table gives the median over the rounds,
+the direct / PyTorch-packed ratio, and whether the direct rows have the same bits at this row
+count as inside a 64-row product.
 
-    python benchmarks/bench_linear.py --dtypes bfloat16 float32 --rows 1 8 32 64
+    python benchmarks/bench_linear.py --dtypes bfloat16 float32 --rows 1 4 16 32 --rounds 9
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,58 +26,85 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.layers import linear, pack_weight  # noqa: E402
+from models import onednn  # noqa: E402
+from models.layers import linear  # noqa: E402
 
 PROJECTIONS = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out), once per layer
 HEAD = (576, 49152)
+WAYS = ("plain", "packed", "direct")
 
 
-def _ms(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e3
+def step_weights(dtype: torch.dtype, layers: int, seed: int = 0) -> list[torch.Tensor]:
+    """A step's weights ``[out, in]`` in the order it multiplies them."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [s for _ in range(layers) for s in PROJECTIONS] + [HEAD]
+    return [(torch.randn(n, k, generator=g) * 0.05).to(dtype) for k, n in shapes]
 
 
-def step_ms(dtype: torch.dtype, rows: int, layers: int, calls: int) -> tuple[float, float | None, bool]:
-    """(plain ms, packed ms or None when oneDNN cannot pack, packed bits equal plain bits)."""
-    plain = packed = 0.0
-    same, can_pack = True, True
-    for (k, n), times in [(s, layers) for s in PROJECTIONS] + [(HEAD, 1)]:
-        w = (torch.randn(n, k) * 0.05).to(dtype)
-        x = torch.randn(rows, k).to(dtype)
-        plain += times * _ms(lambda: F.linear(x, w), calls)
-        pw = pack_weight(w)
-        if pw is None:
-            can_pack = False
-            continue
-        packed += times * _ms(lambda: linear(x, None, packed=pw), calls)
-        same = same and torch.equal(linear(x, None, packed=pw), linear(x, w))
-    return plain, packed if can_pack else None, same
+def compare(dtype: torch.dtype, rows: int, layers: int, rounds: int, pad: int = 2
+            ) -> dict[str, float | bool | None]:
+    """Median ms per step for each way (``None`` where it is unavailable here) and
+    ``same_bits``: the direct rows equal the same rows inside a 64-row product."""
+    weights = step_weights(dtype, layers)
+    g = torch.Generator().manual_seed(1)
+    inputs = {k: torch.randn(64, k, generator=g).to(dtype) for k in {w.shape[1] for w in weights}}
+    try:
+        torch_packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+    except RuntimeError:
+        torch_packed = None
+    direct = [onednn.pack(w) for w in weights]
+    direct = direct if all(p is not None for p in direct) else None
+
+    runs = {"plain": lambda: [F.linear(inputs[w.shape[1]][:rows], w) for w in weights]}
+    if torch_packed is not None:
+        runs["packed"] = lambda: [linear(inputs[p.shape[1]][:rows], None, packed=p, min_rows=pad)
+                                  for p in torch_packed]
+    if direct is not None:
+        runs["direct"] = lambda: [p(inputs[p.shape[1]][:rows]) for p in direct]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # warm-up: kernels are built for this row count
+        for _ in range(rounds):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        same = None
+        if direct is not None:
+            same = all(torch.equal(p(inputs[p.shape[1]][:rows]), p(inputs[p.shape[1]])[:rows])
+                       for p in direct)
+    res: dict[str, float | bool | None] = {w: None for w in WAYS}
+    res.update({name: statistics.median(t) for name, t in times.items()})
+    res["same_bits"] = same
+    return res
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--calls", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--pad", type=int, default=2, help="rows one row is padded to (packed way)")
     args = p.parse_args()
-    torch.manual_seed(0)
-    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}")
-    print("| dtype | rows | F.linear ms/step | packed ms/step | packed / plain | same bits |")
-    print("|---|---|---|---|---|---|")
-    with torch.inference_mode():
-        for name in args.dtypes:
-            for rows in args.rows:
-                plain, packed, same = step_ms(getattr(torch, name), rows, args.layers, args.calls)
-                if packed is None:
-                    print(f"| {name} | {rows} | {plain:.1f} | cannot pack | - | - |")
-                else:
-                    print(f"| {name} | {rows} | {plain:.1f} | {packed:.1f} | {packed / plain:.2f} "
-                          f"| {'yes' if same else 'no'} |")
+    direct = onednn.load()
+    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, direct oneDNN "
+          f"{direct.version() if direct else 'unavailable: ' + str(onednn.error())}")
+    print("| dtype | rows | F.linear ms/step | packed ms/step | direct ms/step | direct / packed "
+          "| direct rows as in 64 |")
+    print("|---|---|---|---|---|---|---|")
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    for name in args.dtypes:
+        for rows in args.rows:
+            r = compare(getattr(torch, name), rows, args.layers, args.rounds, args.pad)
+            ratio = f"{r['direct'] / r['packed']:.2f}" if r["direct"] and r["packed"] else "-"
+            same = {None: "-", True: "yes", False: "no"}[r["same_bits"]]
+            print(f"| {name} | {rows} | {fmt(r['plain'])} | {fmt(r['packed'])} | "
+                  f"{fmt(r['direct'])} | {ratio} | {same} |")
 
 
 if __name__ == "__main__":

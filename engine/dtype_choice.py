@@ -27,9 +27,9 @@ from models.layers import linear, pack_weight
 
 log = logging.getLogger("specserve.engine")
 
-CACHE_VERSION = 9  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls;
+CACHE_VERSION = 10  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls;
 # 6: packed weights; 7: fused layer ops, attention over all kv heads per task; 8: row padding;
-# 9: AVX2 kernels' vectors kept in registers (their attention ~4x faster)
+# 9: AVX2 kernels' vectors kept in registers (their attention ~4x faster); 10: direct oneDNN
 DTYPES = ("float32", "bfloat16")
 _HEAD_ROWS_MAX = 32768  # time at most this many LM-head rows, scaled to the vocabulary
 CONTEXT = 256  # tokens of context per row in the timed steps

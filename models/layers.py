@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import cpu_kernel
+from models import onednn
+from models.onednn import DirectPacked
 
 _REDUCED = (torch.bfloat16, torch.float16)
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,18 +32,27 @@ def cpu_ops(*tensors: torch.Tensor):
     return cpu_kernel.load()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's pre-blocked copy of a ``[out, in]`` weight for :func:`linear`, or ``None`` where
-    oneDNN cannot pack it (not on the CPU, another dtype, or a CPU without the ISA it needs,
-    e.g. bf16 without AVX-512).
+Packed = torch.Tensor | DirectPacked  # what pack_weight returns
+
+
+def pack_weight(weight: torch.Tensor) -> Packed | None:
+    """A ``[out, in]`` weight packed for the CPU's oneDNN products in :func:`linear`, or ``None``
+    where it cannot be (not on the CPU, another dtype, or a CPU without the ISA it needs, e.g.
+    bf16 without AVX-512). Where the direct path builds and its kernel's rows do not depend on
+    the row count (:func:`models.onednn.pack`), a :class:`DirectPacked`; else PyTorch's own
+    packed copy (``mkldnn._reorder_linear_weight``).
 
     A plain ``F.linear`` re-blocks the weight on every call (bf16) or goes to MKL (fp32). The
     packed products of a SmolLM2-135M step took 0.62-0.82x the time for 1-64 rows in bf16 with
     bitwise the same results, and 0.38-0.66x in fp32, where they are also row-count invariant
     (MKL's fp32 rows change from 1 to 11 rows); 2-core AVX-512-BF16 EPYC,
     ``benchmarks/bench_linear.py``."""
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32)
-            or not torch.backends.mkldnn.is_available()):
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    direct = onednn.pack(weight)
+    if direct is not None:
+        return direct
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -53,7 +64,7 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: Packed | None = None,
     min_rows: int = 2,
 ) -> torch.Tensor:
     """``F.linear`` over rows ``x [N, ..., in]`` whose every row comes out bitwise the same however
@@ -61,31 +72,38 @@ def linear(
     whether it is decoded alone or verified in a block of drafts. ``packed`` (from
     :func:`pack_weight`) replaces ``weight``.
 
-    On the CPU, oneDNN multiplies a single row with a matrix-vector kernel that rounds
-    differently from the matrix-matrix kernel used from two rows on (measured with
+    On the CPU, PyTorch's oneDNN path multiplies a single row with a matrix-vector kernel that
+    rounds differently from the matrix-matrix kernel used from two rows on (measured with
     SmolLM2-135M's real activations on an AVX-512-BF16 EPYC: 1,217 of 48,400 one-row bf16
     products differed in the last bit, all in ``down_proj``; from two rows on none did, at any
     row count or offset; packed fp32 ``down_proj`` rows differ the same way). So fewer than
-    ``min_rows`` rows (at least 2) are multiplied padded to ``min_rows`` with copies of the first
-    row: the same bits as any other row count from two on. Which padding is fastest depends on
-    the CPU (:func:`fastest_min_rows`).
+    ``min_rows`` rows (at least 2 there) are multiplied padded to ``min_rows`` with copies of
+    the first row: the same bits as any other row count from two on. A :class:`DirectPacked`
+    weight is only made where every row count gives the same bits, so it pads only if
+    ``min_rows`` asks (a speed choice, :func:`fastest_min_rows`).
     """
     n = x.shape[0]
-    if 0 < n < min_rows and x.device.type == "cpu" and (packed is not None or x.dtype in _REDUCED):
+    direct = isinstance(packed, DirectPacked)
+    need = min_rows if direct else max(min_rows, 2)
+    if 0 < n < need and x.device.type == "cpu" and (packed is not None or x.dtype in _REDUCED):
         rest = x.shape[1:]
-        padded = x.expand(min_rows, *rest) if n == 1 else torch.cat(
-            (x, x[:1].expand(min_rows - n, *rest)))
+        padded = x.expand(need, *rest) if n == 1 else torch.cat(
+            (x, x[:1].expand(need - n, *rest)))
         return linear(padded, weight, bias, packed, min_rows)[:n]
+    if direct:
+        return packed(x, bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 PAD_CHOICES = (2, 4)  # row counts a single row may be padded to (both give the same bits)
+DIRECT_PAD_CHOICES = (1, 2, 4)  # the same for DirectPacked weights (any row count does)
 
 
-def fastest_min_rows(products: list[torch.Tensor], rounds: int = 5) -> int:
-    """Of :data:`PAD_CHOICES`, the padding under which one row through ``products`` (packed
+def fastest_min_rows(products: list[Packed], rounds: int = 5) -> int:
+    """Of :data:`PAD_CHOICES` (:data:`DIRECT_PAD_CHOICES` when every product is a
+    :class:`DirectPacked`), the padding under which one row through ``products`` (packed
     ``[out, in]`` weights in the order a step runs them, so each comes from memory as in a real
     step) takes least time: the median of ``rounds`` alternating timings.
 
@@ -94,6 +112,8 @@ def fastest_min_rows(products: list[torch.Tensor], rounds: int = 5) -> int:
     4 in bf16 (36.1 vs 24.6 ms in fp32); with AVX2 kernels fp32 took 37.1 at 2 and 39.4 at 4."""
     if not products:
         return PAD_CHOICES[0]
+    choices = DIRECT_PAD_CHOICES if all(isinstance(p, DirectPacked) for p in products) \
+        else PAD_CHOICES
     inputs = {w.shape[1]: torch.zeros(1, w.shape[1], dtype=w.dtype) for w in products}
 
     def run(rows: int) -> float:
@@ -102,14 +122,14 @@ def fastest_min_rows(products: list[torch.Tensor], rounds: int = 5) -> int:
             linear(inputs[packed.shape[1]], None, packed=packed, min_rows=rows)
         return time.perf_counter() - start
 
-    timings: dict[int, list[float]] = {rows: [] for rows in PAD_CHOICES}
+    timings: dict[int, list[float]] = {rows: [] for rows in choices}
     with torch.inference_mode():
-        for rows in PAD_CHOICES:
+        for rows in choices:
             run(rows)  # warm-up: oneDNN builds its kernel for this shape once
         for _ in range(rounds):
-            for rows in PAD_CHOICES:
+            for rows in choices:
                 timings[rows].append(run(rows))
-    return min(PAD_CHOICES, key=lambda rows: statistics.median(timings[rows]))
+    return min(choices, key=lambda rows: statistics.median(timings[rows]))
 
 
 class PackedWeight:
@@ -118,7 +138,7 @@ class PackedWeight:
     of the model in memory), so pack only once weights are final. ``min_rows``: the padding of
     small products (:func:`linear`), set by the model once packed."""
 
-    packed: torch.Tensor | None = None
+    packed: Packed | None = None
     min_rows: int = 2
 
     def pack(self) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV
-from models.layers import (Linear, PackedWeight, RMSNorm, Rope, RotaryEmbedding, SwiGLU,
+from models.layers import (Linear, Packed, PackedWeight, RMSNorm, Rope, RotaryEmbedding, SwiGLU,
                            apply_rotary, cpu_ops, fastest_min_rows, linear, pack_weight)
 
 
@@ -102,7 +102,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
-        self.kv_packed: torch.Tensor | None = None  # see pack_kv
+        self.kv_packed: Packed | None = None  # see pack_kv
 
     def qkv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q ``[N, Hq, D]``, K and V ``[N, Hkv, D]`` of ``x`` (q/k norm and RoPE applied).
@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    head_packed: torch.Tensor | None = None
+    head_packed: Packed | None = None
     min_rows: int = 2  # padding of small products (``layers.linear``), chosen by pack_weights
 
     def pack_weights(self, head: bool = True) -> None:

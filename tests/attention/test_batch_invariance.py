@@ -238,18 +238,17 @@ def test_kernel_rejects_bad_lengths():
                                    torch.tensor([12]), True, 1.0)
 
 
-def test_a_stale_build_lock_is_removed(tmp_path, monkeypatch):
+def test_a_stale_build_lock_is_removed(tmp_path):
     import os
     import time
 
     from attention import cpu_kernel
 
-    monkeypatch.setattr(cpu_kernel, "_BUILD", tmp_path)
     lock = tmp_path / "lock"
     lock.write_text("")
-    cpu_kernel._clear_stale_lock()
+    cpu_kernel._clear_stale_lock(tmp_path)
     assert lock.exists()  # a build may be running right now
     old = time.time() - 3600
     os.utime(lock, (old, old))
-    cpu_kernel._clear_stale_lock()
+    cpu_kernel._clear_stale_lock(tmp_path)
     assert not lock.exists()

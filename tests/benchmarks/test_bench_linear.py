@@ -1,19 +1,22 @@
-"""``benchmarks/bench_linear.py``: one step's products timed both ways, and the bits compared."""
+"""``benchmarks/bench_linear.py``: one step's products timed three ways, and the direct rows'
+bits compared with the same rows inside a larger product."""
 
 from __future__ import annotations
 
 import torch
 
 from benchmarks import bench_linear
-from models.layers import pack_weight
+from models import onednn
 
 
-def test_step_ms_times_both_products_and_compares_bits(monkeypatch):
-    monkeypatch.setattr(bench_linear, "PROJECTIONS", ((16, 24),))
+def test_compare_times_every_way_available_here(monkeypatch):
+    monkeypatch.setattr(bench_linear, "PROJECTIONS", ((16, 24), (24, 16)))
     monkeypatch.setattr(bench_linear, "HEAD", (16, 40))
-    plain, packed, same = bench_linear.step_ms(torch.bfloat16, 3, layers=2, calls=1)
-    assert plain > 0
-    if pack_weight(torch.zeros(4, 4, dtype=torch.bfloat16)) is None:
-        assert packed is None
+    weights = bench_linear.step_weights(torch.float32, layers=2)
+    assert [tuple(w.shape) for w in weights] == [(24, 16), (16, 24), (24, 16), (16, 24), (40, 16)]
+    res = bench_linear.compare(torch.float32, 3, layers=2, rounds=2)
+    assert res["plain"] > 0
+    if onednn.pack(torch.zeros(24, 16)) is None:
+        assert res["direct"] is None and res["same_bits"] is None
     else:
-        assert packed > 0 and same  # bf16 packed rows carry F.linear's bits
+        assert res["direct"] > 0 and res["same_bits"] is True

@@ -1,0 +1,172 @@
+// y = x W^T (+ b) with oneDNN's matmul called directly (``models/onednn.py`` builds and loads
+// this extension against the ``onednn-cpu-gomp`` wheel).
+//
+// PyTorch's packed path (``mkldnn._linear_pointwise``) reaches the same library through ideep,
+// which rebuilds descriptors, hashes a cache key and wraps tensors on every call: about 20 us
+// per product on a 2-core EPYC, ~120 products per decode step. Here the weight is reordered
+// once into the layout the matmul prefers, and one primitive per (row count, bias) is created
+// on first use and kept, so a call is a map lookup, three memory wrappers and the kernel.
+//
+// Row invariance (a row's bits do not depend on how many rows the product has) is a property
+// of the kernel oneDNN picks, not of this code; ``rows_invariant`` lets the caller probe it and
+// ``impl`` names the kernel (brgemm kernels give the same bits for every row count; the gemm
+// fallback used where brgemm is missing does not).
+
+#include <torch/extension.h>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+memory::data_type dnnl_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return memory::data_type::f32;
+    case at::kBFloat16: return memory::data_type::bf16;
+    default: TORCH_CHECK(false, "onednn_linear: float32 or bfloat16 only, got ", t);
+  }
+}
+
+// The row count the weight layout is chosen for: brgemm picks one blocked layout for every row
+// count from 1 on, so any count works; 16 is a typical step.
+constexpr int64_t kLayoutRows = 16;
+
+class PackedLinear {
+ public:
+  explicit PackedLinear(const torch::Tensor& weight) {
+    TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(),
+                "onednn_linear: a 2-D CPU weight [out, in] is required");
+    dtype_ = weight.scalar_type();
+    out_ = weight.size(0);
+    in_ = weight.size(1);
+    auto w = weight.contiguous();
+    const auto dt = dnnl_type(dtype_);
+    // [out, in] row-major read as the matmul's [in, out] operand: strides {1, in}
+    memory::desc plain({in_, out_}, dt, memory::dims{1, in_});
+    memory::desc any({in_, out_}, dt, tag::any);
+    auto pd = dnnl::matmul::primitive_desc(cpu_engine(),
+                                           memory::desc({kLayoutRows, in_}, dt, tag::ab), any,
+                                           memory::desc({kLayoutRows, out_}, dt, tag::ab));
+    packed_desc_ = pd.weights_desc();
+    packed_ = torch::empty({static_cast<int64_t>(packed_desc_.get_size())},
+                           torch::TensorOptions().dtype(torch::kUInt8));
+    memory src(plain, cpu_engine(), w.data_ptr());
+    memory dst(packed_desc_, cpu_engine(), packed_.data_ptr());
+    dnnl::stream stream(cpu_engine());
+    dnnl::reorder(src, dst).execute(stream, src, dst);
+    stream.wait();
+  }
+
+  torch::Tensor forward(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias) {
+    TORCH_CHECK(x.scalar_type() == dtype_, "onednn_linear: input is ", x.scalar_type(),
+                ", the weight ", dtype_);
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in_, "onednn_linear: input's last dim is ",
+                x.size(-1), ", the weight takes ", in_);
+    auto x2 = x.reshape({-1, in_}).contiguous();
+    const int64_t rows = x2.size(0);
+    auto sizes = x.sizes().vec();
+    sizes.back() = out_;
+    auto y = torch::empty(sizes, x.options());
+    if (rows == 0) return y;
+    torch::Tensor b;
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->numel() == out_, "onednn_linear: bias has ", bias->numel(),
+                  " elements, the weight ", out_, " outputs");
+      b = bias->to(dtype_).contiguous();
+    }
+    const Entry& e = entry(rows, b.defined());
+    auto& engine = cpu_engine();
+    std::unordered_map<int, memory> args{
+        {DNNL_ARG_SRC, memory(e.src, engine, x2.data_ptr())},
+        {DNNL_ARG_WEIGHTS, memory(packed_desc_, engine, packed_.data_ptr())},
+        {DNNL_ARG_DST, memory(e.dst, engine, y.data_ptr())}};
+    if (b.defined()) args.emplace(DNNL_ARG_BIAS, memory(e.bias, engine, b.data_ptr()));
+    dnnl::stream stream(engine);
+    e.matmul.execute(stream, args);
+    stream.wait();
+    return y;
+  }
+
+  // The kernel oneDNN runs for ``rows`` rows (e.g. "brg:avx512_core_bf16", "gemm:jit:f32").
+  std::string impl(int64_t rows) { return entry(rows, false).impl; }
+
+  int64_t out_features() const { return out_; }
+  int64_t in_features() const { return in_; }
+  at::ScalarType dtype() const { return dtype_; }
+  int64_t nbytes() const { return packed_.numel(); }
+
+ private:
+  struct Entry {
+    dnnl::matmul matmul;
+    memory::desc src, dst, bias;
+    std::string impl;
+  };
+
+  const Entry& entry(int64_t rows, bool with_bias) {
+    const int64_t key = rows * 2 + (with_bias ? 1 : 0);
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = cache_.find(key);
+    if (it != cache_.end()) return *it->second;
+    const auto dt = dnnl_type(dtype_);
+    memory::desc src({rows, in_}, dt, tag::ab), dst({rows, out_}, dt, tag::ab);
+    memory::desc bias_desc = with_bias ? memory::desc({1, out_}, dt, tag::ab) : memory::desc();
+    auto pd = with_bias
+                  ? dnnl::matmul::primitive_desc(cpu_engine(), src, packed_desc_, bias_desc, dst)
+                  : dnnl::matmul::primitive_desc(cpu_engine(), src, packed_desc_, dst);
+    auto e = std::make_unique<Entry>(Entry{dnnl::matmul(pd), src, dst, bias_desc,
+                                           pd.impl_info_str()});
+    return *cache_.emplace(key, std::move(e)).first->second;
+  }
+
+  at::ScalarType dtype_;
+  int64_t out_, in_;
+  memory::desc packed_desc_;
+  torch::Tensor packed_;  // the reordered weight's bytes
+  std::mutex mutex_;
+  std::unordered_map<int64_t, std::unique_ptr<Entry>> cache_;
+};
+
+// Whether the product's rows come out bitwise the same for 1..max_rows rows: ``x`` holds
+// max_rows rows; every prefix is multiplied and compared with the full product's rows.
+bool rows_invariant(PackedLinear& lin, const torch::Tensor& x) {
+  auto full = lin.forward(x, c10::nullopt);
+  for (int64_t rows = 1; rows < x.size(0); ++rows) {
+    auto part = lin.forward(x.narrow(0, 0, rows), c10::nullopt);
+    if (!torch::equal(part, full.narrow(0, 0, rows))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<PackedLinear>(m, "PackedLinear")
+      .def(pybind11::init<const torch::Tensor&>(), pybind11::arg("weight"))
+      .def("forward", &PackedLinear::forward, pybind11::arg("x"),
+           pybind11::arg("bias") = pybind11::none())
+      .def("impl", &PackedLinear::impl, pybind11::arg("rows"))
+      .def_property_readonly("out_features", &PackedLinear::out_features)
+      .def_property_readonly("in_features", &PackedLinear::in_features)
+      .def_property_readonly("nbytes", &PackedLinear::nbytes)
+      .def_property_readonly("is_bfloat16", [](const PackedLinear& p) {
+        return p.dtype() == at::kBFloat16;
+      });
+  m.def("rows_invariant", &rows_invariant, "Row results equal for every row count up to x's");
+  m.def("version", []() {
+    const auto* v = dnnl_version();
+    return std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+           std::to_string(v->patch);
+  });
+}

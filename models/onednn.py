@@ -1,0 +1,149 @@
+"""oneDNN's matmul called directly for the CPU's packed weights (``models/csrc/onednn_linear.cpp``).
+
+PyTorch reaches oneDNN through ideep, whose per-call work (descriptors, a hashed cache key,
+tensor wrappers) costs about 20 us per product, and ~120 products make a SmolLM2-135M decode
+step. This extension reorders a weight once and keeps one oneDNN primitive per row count, so a
+call costs a few microseconds beyond the kernel. It links the ``onednn-cpu-gomp`` wheel's
+library (oneDNN built with GNU OpenMP: it shares the OpenMP runtime torch loaded, hence its
+thread count) and is built like the attention kernels, on first use or by ``make setup``.
+
+A weight is packed here only when the kernel oneDNN picks gives every row the same bits
+whatever the row count (its brgemm kernels do; its gemm fallback, e.g. float32 on an AVX2 CPU
+with this oneDNN, does not): then one row needs no padding (``layers.linear``). Everywhere else
+:func:`pack` returns ``None`` and the caller keeps PyTorch's packed path. ``SPECSERVE_ONEDNN=0``
+turns this path off (for side-by-side measurements).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = [_CSRC / "onednn_linear.cpp"]
+_BUILD = Path(os.environ.get("SPECSERVE_ONEDNN_BUILD_DIR") or _CSRC / "build")
+PROBE_ROWS = 8  # row counts 1..PROBE_ROWS are compared when a weight shape is first packed
+_lock = threading.Lock()
+_state: dict = {"module": None, "error": None, "probed": {}}
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECSERVE_ONEDNN", "1") not in ("0", "false", "no", "off")
+
+
+def onednn_root() -> Path | None:
+    """The prefix holding oneDNN's headers and library: ``SPECSERVE_ONEDNN_ROOT``, else this
+    Python environment's (where the wheels put ``include/`` and ``lib/``)."""
+    for root in filter(None, (os.environ.get("SPECSERVE_ONEDNN_ROOT"), sys.prefix)):
+        root = Path(root)
+        if (root / "include" / "oneapi" / "dnnl" / "dnnl.hpp").exists() and \
+                any((root / "lib").glob("libdnnl.so*")):
+            return root
+    return None
+
+
+def load(verbose: bool = False):
+    """The compiled module, or ``None`` (disabled, oneDNN not installed, or no compiler; the
+    reason is logged once)."""
+    if _state["module"] is not None or _state["error"] is not None:
+        return _state["module"]
+    with _lock:
+        if _state["module"] is not None or _state["error"] is not None:
+            return _state["module"]
+        root = onednn_root()
+        if root is None:
+            _state["error"] = ("oneDNN not found (pip install onednn-cpu-gomp "
+                               "onednn-devel-cpu-gomp, or set SPECSERVE_ONEDNN_ROOT)")
+        else:
+            from attention.cpu_kernel import build_extension
+
+            lib = root / "lib"
+            if not (lib / "libdnnl.so").exists():  # the linker wants the bare name
+                _state["error"] = f"{lib}/libdnnl.so missing"
+            else:
+                try:
+                    _state["module"] = build_extension(
+                        "specserve_onednn", _SOURCES, _BUILD, include_dirs=[root / "include"],
+                        ldflags=[f"-L{lib}", "-ldnnl", f"-Wl,-rpath,{lib}"], verbose=verbose)
+                except Exception as exc:  # no compiler, build error: PyTorch's packed path
+                    _state["error"] = f"{type(exc).__name__}: {exc}"
+        if _state["error"] is not None:
+            log.info("direct oneDNN products unavailable (PyTorch's packed path serves): %s",
+                     _state["error"])
+    return _state["module"]
+
+
+def error() -> str | None:
+    return _state["error"]
+
+
+class DirectPacked:
+    """A weight ``[out, in]`` packed for oneDNN's matmul; call it with rows ``[..., in]``."""
+
+    __slots__ = ("op", "dtype")
+
+    def __init__(self, op, dtype: torch.dtype) -> None:
+        self.op = op
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.op.out_features, self.op.in_features)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.op.forward(x, bias)
+
+
+def pack(weight: torch.Tensor) -> DirectPacked | None:
+    """``weight`` packed for the direct path, or ``None`` where it does not serve: disabled, not
+    built, not a CPU float32/bfloat16 weight, no oneDNN kernel for it on this CPU, or a kernel
+    whose rows may depend on the row count. Checked once per shape and dtype: oneDNN must pick
+    a brgemm kernel (one inner loop for every row count) for 1, 2, :data:`PROBE_ROWS` and 64
+    rows, and rows 1..:data:`PROBE_ROWS` of random inputs must come out bitwise the same."""
+    if not enabled() or weight.device.type != "cpu" or \
+            weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    mod = load()
+    if mod is None:
+        return None
+    key = (tuple(weight.shape), weight.dtype)
+    if _state["probed"].get(key) is False:
+        return None
+    try:
+        op = mod.PackedLinear(weight.detach())
+        if key not in _state["probed"]:
+            kernels = sorted({op.impl(rows) for rows in (1, 2, PROBE_ROWS, 64)})
+            ok = all(k.startswith("brg") for k in kernels)
+            if ok:
+                gen = torch.Generator().manual_seed(0)
+                x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
+                ok = mod.rows_invariant(op, x)
+            _state["probed"][key] = ok
+            if not ok:
+                log.info("oneDNN kernels %s for %s %s may round a row differently by row count; "
+                         "PyTorch's packed path serves", kernels, list(weight.shape),
+                         weight.dtype)
+                return None
+    except RuntimeError as exc:  # oneDNN has no kernel for this dtype on this CPU
+        _state["probed"][key] = False
+        log.info("no oneDNN matmul for %s %s here (%s); PyTorch's packed path serves",
+                 list(weight.shape), weight.dtype, exc)
+        return None
+    return DirectPacked(op, weight.dtype)
+
+
+if __name__ == "__main__":  # make setup: build once, loudly
+    logging.basicConfig(level=logging.INFO)
+    if os.environ.get("SPECSERVE_SKIP_KERNEL_BUILD"):
+        raise SystemExit(0)
+    if load(verbose=True) is None:
+        print(f"note: direct oneDNN products not built ({error()}); PyTorch's packed path serves")
+    else:
+        print(f"direct oneDNN products built (oneDNN {load().version()})")
