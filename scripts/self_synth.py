@@ -72,6 +72,22 @@ please help me tell give explain write make want need like know
 
 _NON_ALNUM = re.compile(r"[^0-9a-z]+")
 
+# --topic presets: the system turn the target sees while writing user turns, and the pattern a
+# kept turn must match. "code": programming requests (the target's plain chat template yields
+# few; about 46% of the turns written under this system turn match the pattern).
+TOPICS = {
+    "code": (
+        "You are a programming assistant. The user asks for code: functions, scripts, queries, "
+        "bug fixes and explanations of programming concepts.",
+        r"```|c\+\+|\b(code|coding|python|java|javascript|typescript|rust|golang|sql|bash|shell"
+        r"|script|snippet|function|program|programming|algorithm|implement|regex"
+        r"|regular expression|html|css|json|compiler|debug|recursion|recursive|database|query"
+        r"|queries|git|api|class|array|linked list|loop|variable|pandas|numpy|linux|docker"
+        r"|dockerfile|flask|django|react|unit test|syntax|thread|mutex|stack|queue|hash table"
+        r"|big o|complexity|integer|string|data structure|software|developer)s?\b",
+    ),
+}
+
 
 def normalise(text: str) -> str:
     """Lower case, every run of characters other than ASCII letters and digits -> one space."""
@@ -522,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sources", nargs="+", choices=dflash_data.SOURCES, default=None,
                    help="pipeline: answer only these sources (dflash_data.py's names; "
                         "default: all)")
+    p.add_argument("--topic", choices=sorted(TOPICS), default=None,
+                   help="a preset --user-system and --require (either may still be given)")
     p.add_argument("--user-system", default=None,
                    help="system turn the target sees while it writes user turns (first and "
                         "second), e.g. to ask for programming requests; the answers are "
@@ -533,6 +551,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--features", action="store_true", help="pipeline: also extract features")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     args = p.parse_args(argv)
+    if args.topic:
+        system, pattern = TOPICS[args.topic]
+        args.user_system = args.user_system or system
+        args.require = args.require or pattern
     if args.threads:
         import torch
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,19 @@ def test_require_drops_turns_off_the_topic():
     assert counts == {"samples": 4, "kept": 2, "off_topic": 1, "truncated": 1}
     kept, counts = synth.select(rows, synth.index_of([]), synth.index_of([]))
     assert len(kept) == 3 and "off_topic" not in counts
+
+
+def test_code_topic_recognises_programming_requests():
+    system, pattern = synth.TOPICS["code"]
+    topic = re.compile(pattern, re.IGNORECASE)
+    code = [json.loads(line)["prompt"] for line in
+            (synth.ROOT / "benchmarks" / "data" / "code_heldout.jsonl").open()]
+    chat = [json.loads(line)["prompt"] for line in
+            (synth.ROOT / "benchmarks" / "data" / "chat_heldout.jsonl").open()]
+    assert all(topic.search(p) for p in code)  # C++, Dockerfile, mutex, Big O ...
+    assert sum(bool(topic.search(p)) for p in chat) < len(chat) / 2
+    assert not topic.search("How do I grow tomatoes on a small balcony in winter?")
+    assert "programming" in system
 
 
 def test_user_prefix_steers_with_a_system_turn():
