@@ -2,8 +2,10 @@
 
 PyTorch reaches oneDNN through ideep, whose per-call work (descriptors, a hashed cache key,
 tensor wrappers) costs about 20 us per product, and ~120 products make a SmolLM2-135M decode
-step. This extension reorders a weight once and keeps one oneDNN primitive per row count, so a
-call costs a few microseconds beyond the kernel. It links the ``onednn-cpu-gomp`` wheel's
+step. This extension reorders a weight once and keeps one oneDNN primitive per row count and
+shape, shared by every weight of that shape (least recently used dropped past
+``SPECSERVE_ONEDNN_CACHE`` entries, default 512, about 120 KiB each), so a call costs a few
+microseconds beyond the kernel. It links the ``onednn-cpu-gomp`` wheel's
 library (oneDNN built with GNU OpenMP: it shares the OpenMP runtime torch loaded, hence its
 thread count) and is built like the attention kernels, on first use or by ``make setup``.
 

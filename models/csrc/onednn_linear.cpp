@@ -4,8 +4,12 @@
 // PyTorch's packed path (``mkldnn._linear_pointwise``) reaches the same library through ideep,
 // which rebuilds descriptors, hashes a cache key and wraps tensors on every call: about 20 us
 // per product on a 2-core EPYC, ~120 products per decode step. Here the weight is reordered
-// once into the layout the matmul prefers, and one primitive per (row count, bias) is created
-// on first use and kept, so a call is a map lookup, three memory wrappers and the kernel.
+// once into the layout the matmul prefers, and one primitive per (row count, shape, dtype,
+// bias) is created on first use and kept in a cache shared by every weight of that shape (the
+// 30 layers of a model share 4 shapes), so a call is a map lookup, three memory wrappers and
+// the kernel. The cache is least-recently-used with SPECSERVE_ONEDNN_CACHE entries (default
+// 512; a primitive holds about 120 KiB and takes about 1 ms to create): prefill chunks bring
+// new row counts all the time, and an unbounded cache grows without end.
 //
 // Row invariance (a row's bits do not depend on how many rows the product has) is a property
 // of the kernel oneDNN picks, not of this code; ``rows_invariant`` lets the caller probe it and
@@ -16,10 +20,14 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
+#include <cstdlib>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 namespace {
 
@@ -37,6 +45,57 @@ memory::data_type dnnl_type(at::ScalarType t) {
     case at::kBFloat16: return memory::data_type::bf16;
     default: TORCH_CHECK(false, "onednn_linear: float32 or bfloat16 only, got ", t);
   }
+}
+
+struct Entry {
+  dnnl::matmul matmul;
+  memory::desc src, dst, bias, weights;
+  std::string impl;
+};
+
+// Primitives keyed by (rows, in, out, dtype, bias), least recently used dropped first.
+class PrimitiveCache {
+ public:
+  PrimitiveCache() {
+    const char* env = std::getenv("SPECSERVE_ONEDNN_CACHE");
+    capacity_ = env ? std::max(1L, std::atol(env)) : 512;
+  }
+
+  template <typename Make>
+  std::shared_ptr<const Entry> get(const std::string& key, Make make) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = index_.find(key);
+    if (it != index_.end()) {
+      order_.splice(order_.begin(), order_, it->second);
+      return it->second->second;
+    }
+    auto entry = std::make_shared<const Entry>(make());
+    order_.emplace_front(key, entry);
+    index_[key] = order_.begin();
+    while (static_cast<int64_t>(order_.size()) > capacity_) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+    }
+    return entry;
+  }
+
+  int64_t size() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return static_cast<int64_t>(order_.size());
+  }
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  using Item = std::pair<std::string, std::shared_ptr<const Entry>>;
+  int64_t capacity_;
+  std::mutex mutex_;
+  std::list<Item> order_;
+  std::unordered_map<std::string, std::list<Item>::iterator> index_;
+};
+
+PrimitiveCache& primitive_cache() {
+  static PrimitiveCache cache;
+  return cache;
 }
 
 // The row count the weight layout is chosen for: brgemm picks one blocked layout for every row
@@ -86,7 +145,8 @@ class PackedLinear {
                   " elements, the weight ", out_, " outputs");
       b = bias->to(dtype_).contiguous();
     }
-    const Entry& e = entry(rows, b.defined());
+    const auto held = entry(rows, b.defined());  // kept alive through the call
+    const Entry& e = *held;
     auto& engine = cpu_engine();
     std::unordered_map<int, memory> args{
         {DNNL_ARG_SRC, memory(e.src, engine, x2.data_ptr())},
@@ -100,7 +160,7 @@ class PackedLinear {
   }
 
   // The kernel oneDNN runs for ``rows`` rows (e.g. "brg:avx512_core_bf16", "gemm:jit:f32").
-  std::string impl(int64_t rows) { return entry(rows, false).impl; }
+  std::string impl(int64_t rows) { return entry(rows, false)->impl; }
 
   int64_t out_features() const { return out_; }
   int64_t in_features() const { return in_; }
@@ -108,34 +168,29 @@ class PackedLinear {
   int64_t nbytes() const { return packed_.numel(); }
 
  private:
-  struct Entry {
-    dnnl::matmul matmul;
-    memory::desc src, dst, bias;
-    std::string impl;
-  };
-
-  const Entry& entry(int64_t rows, bool with_bias) {
-    const int64_t key = rows * 2 + (with_bias ? 1 : 0);
-    std::lock_guard<std::mutex> guard(mutex_);
-    auto it = cache_.find(key);
-    if (it != cache_.end()) return *it->second;
+  std::shared_ptr<const Entry> entry(int64_t rows, bool with_bias) {
     const auto dt = dnnl_type(dtype_);
-    memory::desc src({rows, in_}, dt, tag::ab), dst({rows, out_}, dt, tag::ab);
-    memory::desc bias_desc = with_bias ? memory::desc({1, out_}, dt, tag::ab) : memory::desc();
-    auto pd = with_bias
-                  ? dnnl::matmul::primitive_desc(cpu_engine(), src, packed_desc_, bias_desc, dst)
-                  : dnnl::matmul::primitive_desc(cpu_engine(), src, packed_desc_, dst);
-    auto e = std::make_unique<Entry>(Entry{dnnl::matmul(pd), src, dst, bias_desc,
-                                           pd.impl_info_str()});
-    return *cache_.emplace(key, std::move(e)).first->second;
+    const std::string key = std::to_string(rows) + "/" + std::to_string(in_) + "/" +
+                            std::to_string(out_) + "/" + std::to_string(static_cast<int>(dt)) +
+                            (with_bias ? "/b" : "/-");
+    auto make = [&]() {
+      memory::desc src({rows, in_}, dt, tag::ab), dst({rows, out_}, dt, tag::ab);
+      memory::desc bias = with_bias ? memory::desc({1, out_}, dt, tag::ab) : memory::desc();
+      auto pd = with_bias
+                    ? dnnl::matmul::primitive_desc(cpu_engine(), src, packed_desc_, bias, dst)
+                    : dnnl::matmul::primitive_desc(cpu_engine(), src, packed_desc_, dst);
+      return Entry{dnnl::matmul(pd), src, dst, bias, packed_desc_, pd.impl_info_str()};
+    };
+    auto e = primitive_cache().get(key, make);
+    // every weight of one shape and dtype is packed into the same layout; should one differ,
+    // it gets a primitive of its own rather than a wrong one
+    return e->weights == packed_desc_ ? e : std::make_shared<const Entry>(make());
   }
 
   at::ScalarType dtype_;
   int64_t out_, in_;
   memory::desc packed_desc_;
   torch::Tensor packed_;  // the reordered weight's bytes
-  std::mutex mutex_;
-  std::unordered_map<int64_t, std::unique_ptr<Entry>> cache_;
 };
 
 // Whether the product's rows come out bitwise the same for 1..max_rows rows: ``x`` holds
@@ -164,6 +219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return p.dtype() == at::kBFloat16;
       });
   m.def("rows_invariant", &rows_invariant, "Row results equal for every row count up to x's");
+  m.def("cache_size", []() { return primitive_cache().size(); }, "primitives cached now");
+  m.def("cache_capacity", []() { return primitive_cache().capacity(); });
   m.def("version", []() {
     const auto* v = dnnl_version();
     return std::to_string(v->major) + "." + std::to_string(v->minor) + "." +

@@ -149,3 +149,26 @@ def test_one_openmp_runtime_is_shared_with_torch():
         "print(len(set(re.findall(r'\\S*libgomp\\S*', maps))), "
         "len(set(re.findall(r'\\S*libdnnl\\S*', maps))))\n")
     assert out.split() == ["1", "1"]
+
+
+def test_primitives_are_shared_by_shape_and_their_cache_is_bounded():
+    """Every weight of one shape uses the same primitive per row count, and the cache keeps at
+    most SPECSERVE_ONEDNN_CACHE of them (a prefill brings new row counts all the time)."""
+    if onednn.load() is None:
+        pytest.skip(f"direct oneDNN products not built: {onednn.error()}")
+    out = _run(
+        "import torch\n"
+        "from models import onednn\n"
+        "mod = onednn.load()\n"
+        "ws = [torch.randn(48, 32) for _ in range(6)]\n"
+        "ps = [onednn.pack(w) for w in ws]\n"
+        "base = mod.cache_size()\n"
+        "x = torch.randn(11, 32)  # a row count the probe did not use\n"
+        "outs = [p(x) for p in ps]\n"
+        "shared = mod.cache_size() - base\n"
+        "ok = all(torch.allclose(o, x @ w.T, atol=1e-4) for o, w in zip(outs, ws))\n"
+        "for rows in range(1, 40):\n"
+        "    ps[0](torch.randn(rows, 32))\n"
+        "print(shared, ok, mod.cache_size(), mod.cache_capacity())\n",
+        SPECSERVE_ONEDNN_CACHE="16")
+    assert out.split() == ["1", "True", "16", "16"]
