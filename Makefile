@@ -76,6 +76,9 @@ bench-peers:
 # GSM8K train, a 4,500-sequence subset of them, training continued from stage 1's draft.
 # Stage 3: new data (self-written prompts of another seed, GSM8K train from question 4,100, a
 # few second turns), all of it with features, training continued from stage 2's draft.
+# Stage 4: two more pieces (self-written prompts of seed 3 and the rest of GSM8K train; then
+# programming requests the target writes under a code steer), trained with stage 3's data,
+# continued from stage 3's draft.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
@@ -88,6 +91,13 @@ DRAFT_DATA3 ?= $(HOME)/.cache/specserve/dflash-data-v3
 DRAFT_RUN3  ?= $(HOME)/.cache/specserve/dflash-run3
 SYNTH_ARGS3 ?= --seed 2 --num 3200 --turn2 300 --num-gsm8k 0 --gsm8k-from 4100 --max-tokens 384 \
                --batch 64 --chunk 512
+DRAFT_DATA4 ?= $(HOME)/.cache/specserve/dflash-data-v4
+DRAFT_DATA5 ?= $(HOME)/.cache/specserve/dflash-data-v5
+DRAFT_RUN4  ?= $(HOME)/.cache/specserve/dflash-run4
+SYNTH_ARGS4 ?= --seed 3 --num 3200 --turn2 300 --num-gsm8k 0 --gsm8k-from 5684 \
+               --sources gsm8k_train selfgen selfgen_turn2 --max-tokens 384 --batch 64 --chunk 512
+SYNTH_ARGS5 ?= --seed 5 --num 1600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
+               --max-tokens 384 --batch 64 --chunk 512
 SYNTH_ARGS  ?= --num 8000 --turn2 600 --num-gsm8k 7473 --max-tokens 384 --batch 64 --chunk 512
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
@@ -104,8 +114,15 @@ train-draft: setup
 	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA3) --layers 1 14 27
 	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA3) --out $(DRAFT_RUN3) $(TRAIN_ARGS2) \
 	    --init $(DRAFT_RUN2)/draft --resume
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA4) $(SYNTH_ARGS4) --dedup-against $(DRAFT_DATA3)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA4) --layers 1 14 27
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA5) $(SYNTH_ARGS5) \
+	    --dedup-against $(DRAFT_DATA3) $(DRAFT_DATA4)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA5) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA3) $(DRAFT_DATA5) $(DRAFT_DATA4) \
+	    --out $(DRAFT_RUN4) $(TRAIN_ARGS2) --init $(DRAFT_RUN3)/draft --resume
 	mkdir -p models/drafts/smollm2-135m-instruct-dflash
-	cp $(DRAFT_RUN3)/draft/* models/drafts/smollm2-135m-instruct-dflash/
+	cp $(DRAFT_RUN4)/draft/* models/drafts/smollm2-135m-instruct-dflash/
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
 # image size and start-to-healthy seconds (starts Docker if needed, which takes root).
