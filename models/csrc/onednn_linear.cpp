@@ -119,6 +119,8 @@ class PackedLinear {
                                            memory::desc({kLayoutRows, in_}, dt, tag::ab), any,
                                            memory::desc({kLayoutRows, out_}, dt, tag::ab));
     packed_desc_ = pd.weights_desc();
+    key_ = "/" + std::to_string(in_) + "/" + std::to_string(out_) + "/" +
+           std::to_string(static_cast<int>(dt));
     packed_ = torch::empty({static_cast<int64_t>(packed_desc_.get_size())},
                            torch::TensorOptions().dtype(torch::kUInt8));
     memory src(plain, cpu_engine(), w.data_ptr());
@@ -153,7 +155,7 @@ class PackedLinear {
         {DNNL_ARG_WEIGHTS, memory(packed_desc_, engine, packed_.data_ptr())},
         {DNNL_ARG_DST, memory(e.dst, engine, y.data_ptr())}};
     if (b.defined()) args.emplace(DNNL_ARG_BIAS, memory(e.bias, engine, b.data_ptr()));
-    dnnl::stream stream(engine);
+    thread_local dnnl::stream stream(engine);  // one per thread, not one per call
     e.matmul.execute(stream, args);
     stream.wait();
     return y;
@@ -170,9 +172,7 @@ class PackedLinear {
  private:
   std::shared_ptr<const Entry> entry(int64_t rows, bool with_bias) {
     const auto dt = dnnl_type(dtype_);
-    const std::string key = std::to_string(rows) + "/" + std::to_string(in_) + "/" +
-                            std::to_string(out_) + "/" + std::to_string(static_cast<int>(dt)) +
-                            (with_bias ? "/b" : "/-");
+    const std::string key = std::to_string(rows) + key_ + (with_bias ? "/b" : "/-");
     auto make = [&]() {
       memory::desc src({rows, in_}, dt, tag::ab), dst({rows, out_}, dt, tag::ab);
       memory::desc bias = with_bias ? memory::desc({1, out_}, dt, tag::ab) : memory::desc();
@@ -190,6 +190,7 @@ class PackedLinear {
   at::ScalarType dtype_;
   int64_t out_, in_;
   memory::desc packed_desc_;
+  std::string key_;  // "/in/out/dtype": this weight's part of its primitives' cache keys
   torch::Tensor packed_;  // the reordered weight's bytes
 };
 
