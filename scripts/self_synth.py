@@ -74,7 +74,8 @@ _NON_ALNUM = re.compile(r"[^0-9a-z]+")
 
 # --topic presets: the system turn the target sees while writing user turns, and the pattern a
 # kept turn must match. "code": programming requests (the target's plain chat template yields
-# few; about 46% of the turns written under this system turn match the pattern).
+# few; of 3,584 turns written under this system turn 47% were kept, 29% were off topic and
+# 23% truncated).
 TOPICS = {
     "code": (
         "You are a programming assistant. The user asks for code: functions, scripts, queries, "
