@@ -79,6 +79,8 @@ bench-peers:
 # Stage 4: two more pieces (self-written prompts of seed 3 and the rest of GSM8K train; then
 # programming requests the target writes under a code steer), trained with stage 3's data,
 # continued from stage 3's draft.
+# Stage 5: a sixth piece (self-written prompts of seed 6 and second turns), trained with all the
+# earlier pieces, continued from stage 4's draft.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
@@ -96,6 +98,10 @@ DRAFT_DATA5 ?= $(HOME)/.cache/specserve/dflash-data-v5
 DRAFT_RUN4  ?= $(HOME)/.cache/specserve/dflash-run4
 SYNTH_ARGS4 ?= --seed 3 --num 3200 --turn2 300 --num-gsm8k 0 --gsm8k-from 5684 \
                --sources gsm8k_train selfgen selfgen_turn2 --max-tokens 384 --batch 64 --chunk 512
+DRAFT_DATA6 ?= $(HOME)/.cache/specserve/dflash-data-v6
+DRAFT_RUN5  ?= $(HOME)/.cache/specserve/dflash-run5
+SYNTH_ARGS6 ?= --seed 6 --num 4400 --turn2 300 --num-gsm8k 0 --sources selfgen selfgen_turn2 \
+               --max-tokens 384 --batch 64 --chunk 512
 SYNTH_ARGS5 ?= --seed 5 --num 1600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
                --max-tokens 384 --batch 64 --chunk 512
 SYNTH_ARGS  ?= --num 8000 --turn2 600 --num-gsm8k 7473 --max-tokens 384 --batch 64 --chunk 512
@@ -121,8 +127,13 @@ train-draft: setup
 	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA5) --layers 1 14 27
 	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA3) $(DRAFT_DATA5) $(DRAFT_DATA4) \
 	    --out $(DRAFT_RUN4) $(TRAIN_ARGS2) --init $(DRAFT_RUN3)/draft --resume
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA6) $(SYNTH_ARGS6) \
+	    --dedup-against $(DRAFT_DATA3) $(DRAFT_DATA4) $(DRAFT_DATA5)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA6) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA3) $(DRAFT_DATA5) $(DRAFT_DATA4) \
+	    $(DRAFT_DATA6) --out $(DRAFT_RUN5) $(TRAIN_ARGS2) --init $(DRAFT_RUN4)/draft --resume
 	mkdir -p models/drafts/smollm2-135m-instruct-dflash
-	cp $(DRAFT_RUN4)/draft/* models/drafts/smollm2-135m-instruct-dflash/
+	cp $(DRAFT_RUN5)/draft/* models/drafts/smollm2-135m-instruct-dflash/
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
 # image size and start-to-healthy seconds (starts Docker if needed, which takes root).
