@@ -350,29 +350,38 @@ def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dic
 
 
 def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
-    """Start from a saved draft's weights (continued training on new data). Its shape, taps and
-    block size must equal this run's, except that this run may have more layers: the saved
-    layers are loaded and each extra one starts as a copy of the last with its output
-    projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so the deeper draft begins as
-    exactly the saved one (the extra layers add nothing to the residual stream) and learns what
-    the extra depth buys. Its vocabulary mapping is not taken: the run's own, derived from its
-    training data, stays, since the draft's weights do not depend on which rows of the frozen
-    head it scores."""
+    """Start from a saved draft's weights (continued training on new data). Its shape must equal
+    this run's, with three exceptions, each of which starts the new draft as close to the saved
+    one as the change allows:
+
+    - more layers: the saved layers are loaded and each extra one starts as a copy of the last
+      with its output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so the
+      deeper draft begins as exactly the saved one (the extra layers add nothing to the
+      residual stream) and learns what the extra depth buys;
+    - another block size: no weight depends on it (positions are rotary), so all load as saved;
+    - a subset of the saved taps: ``fc`` keeps the columns of the taps this run uses.
+
+    Its vocabulary mapping is not taken: the run's own, derived from its training data, stays,
+    since the draft's weights do not depend on which rows of the frozen head it scores."""
     from models.hf_folder import iter_safetensors, load_hf_config
 
     saved = load_hf_config(folder)
     for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "block_size"):
+                "num_key_value_heads", "head_dim"):
         if saved.get(key) != hf.get(key):
             raise ValueError(f"--init {folder}: {key} is {saved.get(key)}, this run has {hf.get(key)}")
     have, want = saved.get("num_hidden_layers"), hf.get("num_hidden_layers")
     if not isinstance(have, int) or not 1 <= have <= want:
         raise ValueError(f"--init {folder}: {have} layers; this run has {want} (it may add "
                          "layers, not drop them)")
-    taps = (saved.get("dflash_config") or {}).get("target_layer_ids")
-    if taps != hf["dflash_config"]["target_layer_ids"]:
-        raise ValueError(f"--init {folder}: taps {taps}, this run has "
-                         f"{hf['dflash_config']['target_layer_ids']}")
+    taps = (saved.get("dflash_config") or {}).get("target_layer_ids") or []
+    want_taps = hf["dflash_config"]["target_layer_ids"]
+    if not set(want_taps) <= set(taps):
+        raise ValueError(f"--init {folder}: taps {taps}, this run has {want_taps} (it may keep "
+                         "a subset of the saved taps, not add others)")
+    width = hf["hidden_size"]
+    fc_cols = torch.cat([torch.arange(taps.index(t) * width, (taps.index(t) + 1) * width)
+                         for t in want_taps])
     if saved.get("architectures") != hf.get("architectures"):
         raise ValueError(f"--init {folder}: a {saved.get('architectures')} draft, this run trains "
                          f"{hf.get('architectures')}")
@@ -383,6 +392,8 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
             key = name.removeprefix("model.")
             if key in (D2T_KEY, "t2d"):
                 continue
+            if key == "fc.weight":
+                t = t.index_select(1, fc_cols)
             yield name, t
             if key.startswith(last):
                 zero = key.endswith(("o_proj.weight", "down_proj.weight"))
@@ -425,6 +436,8 @@ def train(args) -> dict:
     draft, hf = build_draft(args, target_cfg, frozen)
     if args.init:
         init_from(draft, hf, args.init)
+    if args.eval_only:
+        return evaluate_only(args, draft, frozen, val)
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = len(train_seqs) // args.batch
@@ -502,6 +515,22 @@ def train(args) -> dict:
                     "train_sequences": len(train_seqs), "val_sequences": len(val),
                     "train_response_tokens": sum(q.ids.shape[0] - q.prompt_len for q in train_seqs)})
     (args.out / "metrics.json").write_text(json.dumps({"args": _jsonable(vars(args)), **metrics}, indent=2))
+    print(json.dumps(metrics, indent=2), flush=True)
+    return metrics
+
+
+def evaluate_only(args, draft, frozen: Frozen, val: list[Sequence]) -> dict:
+    """``--eval-only``: the ``--init`` draft scored on this run's validation sequences at this
+    run's block size (a draft trained with one block size can be compared with another at the
+    block it will be served with; the anchors are those every run at that block size scores)."""
+    if not args.init:
+        raise ValueError("--eval-only scores the --init draft; give --init")
+    with torch.no_grad():
+        metrics = evaluate(draft, frozen, val, args.anchors, args.gamma)
+    metrics.update({"draft": str(args.init), "block_size": args.block_size,
+                    "val_sequences": len(val)})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"eval-block{args.block_size}.json").write_text(json.dumps(metrics, indent=2))
     print(json.dumps(metrics, indent=2), flush=True)
     return metrics
 
@@ -584,6 +613,9 @@ def parser() -> argparse.ArgumentParser:
                         "this many response tokens; validation stays the same (data-size sweeps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--eval-only", action="store_true",
+                   help="score the --init draft on the validation split at --block-size; "
+                        "no training (writes OUT/eval-block<B>.json)")
     p.add_argument("--init", type=Path, default=None,
                    help="start from this saved draft's weights (same shape and taps); the "
                         "draft vocabulary is still derived from this run's data")

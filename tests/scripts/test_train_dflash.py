@@ -261,6 +261,16 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
         [a if a != str(out) else str(tmp_path / "fixed") for a in argv]
         + ["--steps", "3", "--train-tokens", "100"]))
     assert fixed["steps"] == 3 and 100 <= fixed["train_response_tokens"] < 100 + 30
+    # --eval-only scores the saved best draft on the same validation split, at any block size
+    scored = train.train(train.parser().parse_args(
+        argv + ["--init", str(out / "draft"), "--eval-only"]))
+    assert scored["sim_accept_len"] == pytest.approx(resumed["best_sim_accept_len"], abs=1e-6)
+    shorter = train.train(train.parser().parse_args(
+        [a if a != "4" or argv[i - 1] != "--block-size" else "3" for i, a in enumerate(argv)]
+        + ["--init", str(out / "draft"), "--eval-only"]))
+    assert len(shorter["acc_per_pos"]) == 2 and (out / "eval-block3.json").is_file()
+    with pytest.raises(ValueError, match="--init"):
+        train.train(train.parser().parse_args(argv + ["--eval-only"]))
 
 
 def test_token_budgets_share_one_validation_set_and_nest():
@@ -326,6 +336,43 @@ def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
                                    _tiny_target_config(), other_vocab)
     with pytest.raises(ValueError, match="taps"):
         train.init_from(wrong, hf3, tmp_path / "saved")
+
+
+def test_init_takes_another_block_size_and_a_subset_of_the_taps(tmp_path):
+    """``--init`` into a run with a longer block loads every weight as saved (none depends on
+    the block size); into a run with fewer taps, ``fc`` keeps the kept taps' columns, so the
+    new draft's context feature equals the saved one's with the dropped tap's states at zero."""
+    from types import SimpleNamespace
+
+    from models.dflash_init import save_draft
+
+    _, frozen, _ = _tiny_setup(tmp_path)
+    args = SimpleNamespace(layers=1, block_size=4, taps=[0, 1, 2], ffn=48, max_positions=64,
+                           seed=5, dflash2=False)
+    saved, hf = train.build_draft(args, _tiny_target_config(), frozen)
+    save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
+
+    longer, hf2 = train.build_draft(SimpleNamespace(**{**vars(args), "block_size": 8, "seed": 9}),
+                                    _tiny_target_config(), frozen)
+    train.init_from(longer, hf2, tmp_path / "saved")
+    assert longer.config.block_size == 8
+    got = longer.state_dict()
+    for k, v in saved.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+    fewer, hf3 = train.build_draft(SimpleNamespace(**{**vars(args), "taps": [0, 2], "seed": 9}),
+                                   _tiny_target_config(), frozen)
+    train.init_from(fewer, hf3, tmp_path / "saved")
+    width = hf["hidden_size"]
+    x0, x2 = torch.randn(3, width), torch.randn(3, width)
+    with torch.no_grad():
+        full = saved.fc(torch.cat([x0, torch.zeros(3, width), x2], dim=-1))
+        kept = fewer.fc(torch.cat([x0, x2], dim=-1))
+    torch.testing.assert_close(kept, full)
+    got = fewer.state_dict()
+    for k, v in saved.state_dict().items():
+        if k != "fc.weight":
+            assert torch.equal(got[k], v), k
 
 
 def test_init_grows_a_deeper_draft_that_starts_as_the_saved_one(tmp_path):
