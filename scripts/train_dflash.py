@@ -363,6 +363,9 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
 
     Its vocabulary mapping is not taken: the run's own, derived from its training data, stays,
     since the draft's weights do not depend on which rows of the frozen head it scores."""
+    from safetensors.torch import load_file
+
+    from models.dflash import MASK_EMBEDDING_FILE
     from models.hf_folder import iter_safetensors, load_hf_config
 
     saved = load_hf_config(folder)
@@ -399,6 +402,8 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
                 zero = key.endswith(("o_proj.weight", "down_proj.weight"))
                 for i in range(have, want):
                     yield f"layers.{i}." + key[len(last):], torch.zeros_like(t) if zero else t
+        if (folder / MASK_EMBEDDING_FILE).is_file():  # saved drafts keep it in its own file
+            yield from load_file(str(folder / MASK_EMBEDDING_FILE)).items()
 
     draft.load_weights(weights())
     draft.mask_embedding.requires_grad_(True)  # loading freezes it (served drafts); train it

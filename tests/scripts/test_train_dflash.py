@@ -318,7 +318,10 @@ def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
                            dflash2=False)
     frozen_small = frozen.restrict(torch.tensor([0, 2, 3, 5, 7, 11, 13, 17]))
     saved, hf = train.build_draft(args, _tiny_target_config(), frozen_small)
+    with torch.no_grad():  # a trained mask embedding, unlike a fresh draft's (the mean row)
+        saved.mask_embedding.add_(torch.randn_like(saved.mask_embedding))
     save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
+    assert (tmp_path / "saved" / "mask_embedding.safetensors").is_file()
 
     other_vocab = frozen.restrict(torch.tensor([1, 2, 4, 6, 8, 9, 10, 12]))
     fresh, hf2 = train.build_draft(SimpleNamespace(**{**vars(args), "seed": 9}),
