@@ -39,6 +39,21 @@ from models.loader import config_errors, layer_fields
 
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
 MASK_EMBEDDING_KEY = "mask_embedding"
+
+
+def iter_draft_weights(folder) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of a saved draft folder: its weight files, then the mask embedding, which
+    saved drafts keep in a file of its own (``load_weights`` takes both)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from models.hf_folder import iter_safetensors
+
+    yield from iter_safetensors(folder)
+    mask_file = Path(folder) / MASK_EMBEDDING_FILE
+    if mask_file.is_file():
+        yield from load_file(str(mask_file)).items()
 D2T_KEY = "d2t"
 
 

@@ -138,6 +138,13 @@ class Sequence:
         return feats.float()
 
 
+def tap_columns(stored: list[int], taps: list[int], width: int) -> torch.Tensor:
+    """Columns of ``taps``, in that order, in a concatenation of the ``stored`` layers' states
+    (``width`` columns each): stored features, and the saved ``fc`` of a draft with more taps."""
+    return torch.cat([torch.arange(stored.index(t) * width, (stored.index(t) + 1) * width)
+                      for t in taps])
+
+
 def load_sequences(data: Path, taps: list[int]) -> list[Sequence]:
     meta = json.loads((data / "features.json").read_text())
     stored = meta["layers"]
@@ -152,10 +159,7 @@ def load_sequences(data: Path, taps: list[int]) -> list[Sequence]:
         shard = torch.load(data / name, mmap=True)
         feats = shard["features"]
         hidden = feats.shape[1] // len(stored)
-        cols = None
-        if taps != stored:
-            cols = torch.cat([torch.arange(stored.index(t) * hidden, (stored.index(t) + 1) * hidden)
-                              for t in taps])
+        cols = None if taps == stored else tap_columns(stored, taps, hidden)
         start = 0
         for n, p in zip(shard["lengths"].tolist(), shard["prompt_lengths"].tolist()):
             seqs.append(Sequence(shard["ids"][start : start + n].long(), feats[start : start + n],
@@ -363,10 +367,8 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
 
     Its vocabulary mapping is not taken: the run's own, derived from its training data, stays,
     since the draft's weights do not depend on which rows of the frozen head it scores."""
-    from safetensors.torch import load_file
-
-    from models.dflash import MASK_EMBEDDING_FILE
-    from models.hf_folder import iter_safetensors, load_hf_config
+    from models.dflash import iter_draft_weights
+    from models.hf_folder import load_hf_config
 
     saved = load_hf_config(folder)
     for key in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -382,16 +384,14 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
     if not set(want_taps) <= set(taps):
         raise ValueError(f"--init {folder}: taps {taps}, this run has {want_taps} (it may keep "
                          "a subset of the saved taps, not add others)")
-    width = hf["hidden_size"]
-    fc_cols = torch.cat([torch.arange(taps.index(t) * width, (taps.index(t) + 1) * width)
-                         for t in want_taps])
+    fc_cols = tap_columns(taps, want_taps, hf["hidden_size"])
     if saved.get("architectures") != hf.get("architectures"):
         raise ValueError(f"--init {folder}: a {saved.get('architectures')} draft, this run trains "
                          f"{hf.get('architectures')}")
 
     def weights():
         last = f"layers.{have - 1}."
-        for name, t in iter_safetensors(folder):
+        for name, t in iter_draft_weights(folder):
             key = name.removeprefix("model.")
             if key in (D2T_KEY, "t2d"):
                 continue
@@ -402,8 +402,6 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
                 zero = key.endswith(("o_proj.weight", "down_proj.weight"))
                 for i in range(have, want):
                     yield f"layers.{i}." + key[len(last):], torch.zeros_like(t) if zero else t
-        if (folder / MASK_EMBEDDING_FILE).is_file():  # saved drafts keep it in its own file
-            yield from load_file(str(folder / MASK_EMBEDDING_FILE)).items()
 
     draft.load_weights(weights())
     draft.mask_embedding.requires_grad_(True)  # loading freezes it (served drafts); train it
@@ -622,7 +620,8 @@ def parser() -> argparse.ArgumentParser:
                    help="score the --init draft on the validation split at --block-size; "
                         "no training (writes OUT/eval-block<B>.json)")
     p.add_argument("--init", type=Path, default=None,
-                   help="start from this saved draft's weights (same shape and taps); the "
+                   help="start from this saved draft's weights (same shape; it may add layers, "
+                        "change the block size or keep a subset of the taps); the "
                         "draft vocabulary is still derived from this run's data")
     return p
 

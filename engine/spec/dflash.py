@@ -25,9 +25,14 @@ from engine.kv_pool import KVPool
 from engine.runner import slot_list
 from engine.spec.base import ProposalItem
 from engine.request import Request
-from models.dflash import MASK_EMBEDDING_FILE, DFlashConfig, DFlashDraftModel
+from models.dflash import (
+    MASK_EMBEDDING_FILE,
+    DFlashConfig,
+    DFlashDraftModel,
+    iter_draft_weights,
+)
 from models.dflash2 import DFlash2Config, build_draft, draft_config
-from models.hf_folder import iter_safetensors, load_hf_config
+from models.hf_folder import load_hf_config
 from models.layers import linear, pack_weight
 from models.llama import LlamaForCausalLM
 
@@ -175,13 +180,8 @@ class DFlashProposer:
         with torch.device(device):
             draft = build_draft(dcfg, max_positions)
         draft = draft.to(dtype=config.model.dtype).eval().requires_grad_(False)
-        draft.load_weights(iter_safetensors(path))
+        draft.load_weights(iter_draft_weights(path))
         validate_draft_vocab(draft, target)
-        mask_file = path / MASK_EMBEDDING_FILE
-        if mask_file.is_file():
-            from safetensors.torch import load_file
-
-            draft.set_mask_embedding(load_file(str(mask_file))["mask_embedding"])
         draft.pack_weights(target.min_rows)
         args = (draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
         if isinstance(dcfg, DFlash2Config):

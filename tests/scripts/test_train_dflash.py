@@ -265,9 +265,10 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
     scored = train.train(train.parser().parse_args(
         argv + ["--init", str(out / "draft"), "--eval-only"]))
     assert scored["sim_accept_len"] == pytest.approx(resumed["best_sim_accept_len"], abs=1e-6)
+    block3 = argv.copy()
+    block3[argv.index("--block-size") + 1] = "3"
     shorter = train.train(train.parser().parse_args(
-        [a if a != "4" or argv[i - 1] != "--block-size" else "3" for i, a in enumerate(argv)]
-        + ["--init", str(out / "draft"), "--eval-only"]))
+        block3 + ["--init", str(out / "draft"), "--eval-only"]))
     assert len(shorter["acc_per_pos"]) == 2 and (out / "eval-block3.json").is_file()
     with pytest.raises(ValueError, match="--init"):
         train.train(train.parser().parse_args(argv + ["--eval-only"]))
