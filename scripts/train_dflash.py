@@ -232,10 +232,14 @@ def selector_terms(
 
 def sequence_loss(
     draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: list[int], gamma: float,
-    selector_weight: float = 1.0,
+    selector_weight: float = 1.0, teacher: Teacher | None = None, distill: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE over the blocks of one sequence; also per-slot correct and valid counts, and
     per-block hit flags ``[N, B-1]`` (prediction equals a valid label) for acceptance.
+
+    With a ``teacher`` and ``distill`` = w > 0 each slot's term is ``(1 - w)`` times the CE of
+    the target's token plus ``w`` times the CE of the target's whole distribution there
+    (restricted to the draft vocabulary), with the same position weights.
 
     DFlash2 drafts add ``selector_weight`` times the selector's weighted cross-entropy (see
     ``selector_terms``), and their predictions are the selector's greedy picks, as served."""
@@ -262,6 +266,11 @@ def sequence_loss(
         w = w * (target >= 0)
         target = target.clamp_min(0)
     ce = F.cross_entropy(logits, target, reduction="none")
+    if teacher is not None and distill > 0:
+        # slot k of anchor a predicts token a + k: the target's distribution at position a+k-1
+        rows = (torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :])[valid]
+        soft = teacher.logits(feats, rows, frozen.vocab_ids).softmax(-1)
+        ce = (1 - distill) * ce + distill * F.cross_entropy(logits, soft, reduction="none")
     loss = (w * ce).sum() / w.sum().clamp_min(1e-6)
     correct = torch.zeros(b - 1)
     counts = torch.zeros(b - 1)
@@ -295,6 +304,28 @@ def lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
 def simulated_acceptance(correct_prefix: torch.Tensor) -> float:
     """Mean accepted length (bonus included) from per-block prefix-correct flags [N, B-1]."""
     return float((correct_prefix.cumprod(dim=1).sum(dim=1) + 1).float().mean())
+
+
+@torch.no_grad()
+def served_walk(draft, frozen: Frozen, seq: Sequence, chunk: int = 64) -> tuple[int, int]:
+    """Tokens gained and steps taken by greedy speculation at the full block over one stored
+    sequence, as a server would run it: the first block's anchor is the first response token
+    (the prefill's), each step gains its draft's correct prefix plus the target's own token,
+    and that last token anchors the next block. Unlike the random anchors of
+    ``simulated_acceptance``, steps linger where drafting fails, so ``tokens / steps`` is the
+    served mean acceptance length (the ``vllm:spec_decode`` counters' figure)."""
+    s, first = seq.ids.shape[0], seq.prompt_len
+    anchors = list(range(first, s - 1))  # every position the walk could stop at
+    prefix = []
+    for i in range(0, len(anchors), chunk):
+        hits = sequence_loss(draft, frozen, seq, anchors[i : i + chunk], 1.0)[3]
+        prefix.append(hits.cumprod(dim=1).sum(dim=1))
+    accepted = torch.cat(prefix).tolist() if prefix else []
+    a, tokens, steps = first, 0, 0
+    while a < s - 1:
+        gained = accepted[a - first] + 1
+        tokens, steps, a = tokens + gained, steps + 1, a + gained
+    return tokens, steps
 
 
 @torch.no_grad()
@@ -420,6 +451,59 @@ def load_frozen(model: str) -> tuple[Frozen, object]:
     return Frozen(embed=embed, head=head), cfg
 
 
+class Teacher:
+    """The target's own next-token distribution, recomputed from a stored layer's output.
+
+    The stored features hold the output of decoder layer ``start``; running the target's
+    remaining layers (dense causal attention, no cache), its final norm and its head on them
+    gives the target's logits at every position of the sequence, without rerunning the layers
+    below. Used for distillation (``--distill``): the draft learns the target's whole
+    distribution, not only its greedy token. For SmolLM2-135M from layer 27 that is 2 of 30
+    layers per training sequence."""
+
+    def __init__(self, model: str, taps: list[int], dtype: torch.dtype = torch.bfloat16) -> None:
+        from models.hf_folder import iter_safetensors, load_hf_config
+        from models.llama import LlamaForCausalLM
+        from models.loader import decoder_config
+        from models.resolve import resolve_model_path
+
+        path = resolve_model_path(model)
+        cfg = decoder_config(load_hf_config(path))
+        start = max(taps)  # the deepest tapped layer: the fewest layers left to run
+        if not 0 <= start < cfg.num_layers:
+            raise ValueError(f"the teacher starts after layer {start}; the target has "
+                             f"layers 0..{cfg.num_layers - 1}")
+        target = LlamaForCausalLM(cfg, cfg.max_position_embeddings)
+        target.load_weights(iter_safetensors(path))
+        target.layers = target.layers[start + 1 :]  # the layers below are in the stored states
+        self.model = target.to(dtype).eval().requires_grad_(False)
+        self.dtype = dtype
+        self.head = target.lm_head_weight
+        i, width = taps.index(start), cfg.hidden_size
+        self.columns = slice(i * width, (i + 1) * width)  # its state among the tapped features
+
+    @torch.no_grad()
+    def logits(self, feats: torch.Tensor, rows: torch.Tensor,
+               vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[len(rows), V]`` (``V``: the draft vocabulary's ids when given) at
+        positions ``rows`` of a sequence with tapped features ``feats`` ``[S, taps*H]``."""
+        m = self.model
+        h = feats[:, self.columns].to(self.dtype)
+        s = h.shape[0]
+        rope = m.rotary.lookup(torch.arange(s), h.dtype)
+        for layer in m.layers:
+            attn = layer.self_attn
+            q, k, v = attn.qkv(rope, layer.input_layernorm(h))
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                is_causal=True, scale=attn.scale, enable_gqa=attn.num_heads != attn.num_kv_heads,
+            )[0]
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(s, attn.q_size))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        head = self.head if vocab_ids is None else self.head.index_select(0, vocab_ids)
+        return (m.norm(h.index_select(0, rows)) @ head.t()).float()
+
+
 def train(args) -> dict:
     torch.set_num_threads(args.threads) if args.threads else None
     frozen, target_cfg = load_frozen(args.model)
@@ -441,6 +525,7 @@ def train(args) -> dict:
         init_from(draft, hf, args.init)
     if args.eval_only:
         return evaluate_only(args, draft, frozen, val)
+    teacher = Teacher(args.model, args.taps) if args.distill > 0 else None
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
     steps_per_epoch = len(train_seqs) // args.batch
@@ -495,7 +580,7 @@ def train(args) -> dict:
             if not anchors:
                 continue
             loss, c, n, _ = sequence_loss(draft, frozen, seq, anchors, args.gamma,
-                                          args.selector_weight)
+                                          args.selector_weight, teacher, args.distill)
             (loss / len(batch)).backward()
             total_loss += float(loss.detach()) / len(batch)
             correct += c
@@ -525,11 +610,14 @@ def train(args) -> dict:
 def evaluate_only(args, draft, frozen: Frozen, val: list[Sequence]) -> dict:
     """``--eval-only``: the ``--init`` draft scored on this run's validation sequences at this
     run's block size (a draft trained with one block size can be compared with another at the
-    block it will be served with; the anchors are those every run at that block size scores)."""
+    block it will be served with; the anchors are those every run at that block size scores),
+    plus the served mean acceptance length of a greedy walk over each (``served_walk``)."""
     if not args.init:
         raise ValueError("--eval-only scores the --init draft; give --init")
     with torch.no_grad():
         metrics = evaluate(draft, frozen, val, args.anchors, args.gamma)
+        walks = [served_walk(draft, frozen, seq) for seq in val]
+    metrics["walk_accept_len"] = sum(t for t, _ in walks) / max(1, sum(n for _, n in walks))
     metrics.update({"draft": str(args.init), "block_size": args.block_size,
                     "val_sequences": len(val)})
     args.out.mkdir(parents=True, exist_ok=True)
@@ -594,6 +682,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--selector-top-k", type=int, default=8)
     p.add_argument("--selector-weight", type=float, default=1.0,
                    help="weight of the selector's cross-entropy next to the draft's (DFlash2)")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight in [0, 1] of the target's whole next-token distribution in the "
+                        "loss, next to its greedy token (recomputed from the deepest tap)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="score only the N most frequent response tokens (0: the full vocabulary)")
     p.add_argument("--anchors", type=int, default=16)

@@ -270,6 +270,7 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
     shorter = train.train(train.parser().parse_args(
         block3 + ["--init", str(out / "draft"), "--eval-only"]))
     assert len(shorter["acc_per_pos"]) == 2 and (out / "eval-block3.json").is_file()
+    assert 1.0 <= shorter["walk_accept_len"] <= 3.0
     with pytest.raises(ValueError, match="--init"):
         train.train(train.parser().parse_args(argv + ["--eval-only"]))
 
@@ -426,3 +427,112 @@ def test_several_folders_validate_on_the_newest_and_train_on_all():
     alone_val, alone_train = train.split_sequences(new, 5, seed=7)
     assert [id(s) for s in val] == [id(s) for s in alone_val]
     assert [id(s) for s in train_seqs] == [id(s) for s in old] + [id(s) for s in alone_train]
+
+
+def _hf_states(target: Path, seqs: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Per sequence: transformers' outputs of every decoder layer and its logits."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for ids in seqs:
+            res = model(ids[None], output_hidden_states=True)
+            # hidden_states[i + 1] is layer i's output (the last one is final-normed instead)
+            out.append(([h[0] for h in res.hidden_states[1:-1]], res.logits[0]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_teacher_recomputes_the_targets_logits_from_the_deepest_tap(tmp_path, arch):
+    """From a stored layer's output the teacher runs the layers above it, the final norm and
+    the head: transformers' logits at the asked positions, restricted to a draft vocabulary."""
+    from tests.spec.helpers import save_target
+
+    target = save_target(tmp_path / "t", arch, vocab=64, hidden=32, layers=4, seed=2)
+    ids = torch.randint(0, 64, (21,), generator=torch.Generator().manual_seed(0))
+    (states, logits), = _hf_states(target, [ids])
+    teacher = train.Teacher(str(target), [0, 1], dtype=torch.float32)  # runs layers 2 and 3
+    feats = torch.cat([states[0], states[1]], dim=1)
+    rows = torch.tensor([0, 5, 6, 20])
+    torch.testing.assert_close(teacher.logits(feats, rows), logits[rows], atol=1e-4, rtol=1e-4)
+    vocab = torch.tensor([3, 9, 40])
+    torch.testing.assert_close(teacher.logits(feats, rows, vocab), logits[rows][:, vocab],
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="layers 0..3"):
+        train.Teacher(str(target), [1, 4])
+
+
+def test_distillation_pulls_the_draft_towards_the_targets_distribution(tmp_path):
+    """``--distill 1``: the loss is the cross-entropy against the teacher's distribution, so
+    training lowers the KL divergence from the target's next-token distribution at every
+    block slot; ``--distill 0`` leaves the teacher out (the hard-label loss, as before)."""
+    from types import SimpleNamespace
+
+    from tests.spec.helpers import save_target
+
+    target = save_target(tmp_path / "t", "llama", vocab=64, hidden=32, layers=4, seed=4, init=0.1)
+    frozen, cfg = train.load_frozen(str(target))
+    frozen = train.Frozen(embed=frozen.embed, head=frozen.head.float())  # bf16 in real runs
+    gen = torch.Generator().manual_seed(1)
+    raw = [torch.randint(3, 64, (30,), generator=gen) for _ in range(4)]
+    seqs = [train.Sequence(ids, torch.cat(states[1:3], dim=1).half(), 4)
+            for ids, (states, _) in zip(raw, _hf_states(target, raw))]
+    teacher = train.Teacher(str(target), [1, 2], dtype=torch.float32)
+    args = SimpleNamespace(layers=1, block_size=4, taps=[1, 2], ffn=48, max_positions=64, seed=0,
+                           dflash2=False)
+    draft, _ = train.build_draft(args, cfg, frozen)
+    rng = random.Random(0)
+    anchors = [train.sample_anchors(s.prompt_len, s.ids.shape[0], 6, rng) for s in seqs]
+
+    def kl_now() -> float:
+        """Mean KL(target || draft) over the block slots, from the two losses' difference."""
+        with torch.no_grad():
+            soft = sum(float(train.sequence_loss(draft, frozen, s, a, 3.0, teacher=teacher,
+                                                 distill=1.0)[0]) for s, a in zip(seqs, anchors))
+            hard = sum(float(train.sequence_loss(draft, frozen, s, a, 3.0, teacher=teacher,
+                                                 distill=0.0)[0]) for s, a in zip(seqs, anchors))
+            plain = sum(float(train.sequence_loss(draft, frozen, s, a, 3.0)[0])
+                        for s, a in zip(seqs, anchors))
+        assert hard == pytest.approx(plain)  # distill 0: the teacher takes no part
+        return soft
+
+    before = kl_now()
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(40):
+        opt.zero_grad()
+        for s, a in zip(seqs, anchors):
+            train.sequence_loss(draft, frozen, s, a, 3.0, teacher=teacher, distill=1.0)[0].backward()
+        opt.step()
+    entropy = 0.0  # the floor of the soft cross-entropy: the teacher's own entropy
+    with torch.no_grad():
+        for s, a in zip(seqs, anchors):
+            rows = (torch.tensor(a)[:, None] + torch.arange(3)[None, :]).reshape(-1)
+            w = train.position_weights(4, 3.0)[1:].repeat(len(a))
+            inside = rows + 1 < s.ids.shape[0]  # slots whose label is in the sequence
+            rows, w = rows[inside], w[inside]
+            p = teacher.logits(s.features(), rows).softmax(-1)
+            entropy += float((w * -(p * p.log()).sum(-1)).sum() / w.sum())
+    after = kl_now()
+    assert after - entropy < 0.5 * (before - entropy)
+
+
+def test_served_walk_steps_from_the_first_response_token_by_correct_prefix_plus_one(monkeypatch):
+    """The walk starts at the first response token and moves by each block's correct draft
+    prefix plus the target's token; only the anchors it stops at count, however the hits are
+    computed in chunks."""
+    b = 4
+    # correct draft prefix of the block anchored at each position (prompt 3, sequence 14)
+    prefix = {3: 2, 4: 3, 5: 3, 6: 0, 7: 1, 8: 0, 9: 3, 10: 2, 11: 0, 12: 1}
+
+    def fake_loss(draft, frozen, seq, anchors, gamma):
+        hits = torch.tensor([[1] * prefix[a] + [0] * (b - 1 - prefix[a]) for a in anchors])
+        return None, None, None, hits
+
+    monkeypatch.setattr(train, "sequence_loss", fake_loss)
+    seq = train.Sequence(ids=torch.arange(14), feats=torch.zeros(14, 2), prompt_len=3)
+    # anchors 3 (+3) -> 6 (+1) -> 7 (+2) -> 9 (+4) -> 13: the end
+    assert train.served_walk(None, None, seq, chunk=3) == (10, 4)
+    assert train.served_walk(None, None, seq, chunk=64) == (10, 4)
+    short = train.Sequence(ids=torch.arange(4), feats=torch.zeros(4, 2), prompt_len=3)
+    assert train.served_walk(None, None, short) == (0, 0)  # the prefill made the only token
