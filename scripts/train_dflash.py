@@ -5,7 +5,9 @@ Per sequence: random anchors in the response; each anchor's block ``[token, MASK
 sees only context strictly before its anchor plus its own block (non-causal); slot k predicts
 token ``anchor + k`` with cross-entropy weighted by ``exp(-(k-1)/gamma)``. The target's
 embedding and LM head are frozen; AdamW with warmup and cosine decay, gradient clipping,
-checkpoints every ``--save-every`` steps, ``--resume`` to continue a run.
+checkpoints every ``--save-every`` steps, ``--resume`` to continue a run. ``--distill W``
+mixes in the target's whole next-token distribution (``Teacher``); ``--eval-only`` also walks
+each validation sequence as a server would (``served_walk``).
 
 ``--dflash2`` trains a DFlash2 draft (``models/dflash2.py``): the same blocks and loss, with
 block convolutions in every layer (initialised to the identity, so training starts from a
@@ -525,6 +527,8 @@ def train(args) -> dict:
         init_from(draft, hf, args.init)
     if args.eval_only:
         return evaluate_only(args, draft, frozen, val)
+    if not 0 <= args.distill <= 1:
+        raise ValueError(f"--distill is a weight in [0, 1], got {args.distill}")
     teacher = Teacher(args.model, args.taps) if args.distill > 0 else None
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))

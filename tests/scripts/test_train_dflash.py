@@ -273,6 +273,8 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
     assert 1.0 <= shorter["walk_accept_len"] <= 3.0
     with pytest.raises(ValueError, match="--init"):
         train.train(train.parser().parse_args(argv + ["--eval-only"]))
+    with pytest.raises(ValueError, match="--distill"):
+        train.train(train.parser().parse_args(argv + ["--steps", "1", "--distill", "1.5"]))
 
 
 def test_token_budgets_share_one_validation_set_and_nest():
