@@ -258,6 +258,8 @@ def sequence_loss(
     h = h.view(len(anchors), b, -1)[:, 1:]
     lab = labels[:, 1:]
     valid = lab != -100
+    # the position before each valid slot: slot k of anchor a predicts token a + k from a+k-1
+    before = (torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :])[valid]
     # the frozen head dominates the cost; it may be stored in bfloat16 (see load_frozen)
     logits = (h[valid].to(frozen.head.dtype) @ frozen.head.t()).float()
     target = lab[valid]
@@ -269,9 +271,7 @@ def sequence_loss(
         target = target.clamp_min(0)
     ce = F.cross_entropy(logits, target, reduction="none")
     if teacher is not None and distill > 0:
-        # slot k of anchor a predicts token a + k: the target's distribution at position a+k-1
-        rows = (torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :])[valid]
-        soft = teacher.logits(feats, rows, frozen.vocab_ids).softmax(-1)
+        soft = teacher.logits(feats, before, frozen.head).softmax(-1)  # the draft's vocabulary
         ce = (1 - distill) * ce + distill * F.cross_entropy(logits, soft, reduction="none")
     loss = (w * ce).sum() / w.sum().clamp_min(1e-6)
     correct = torch.zeros(b - 1)
@@ -283,9 +283,8 @@ def sequence_loss(
         best = frozen.vocab_ids[best]
     if isinstance(draft, DFlash2DraftModel):
         # the true token before each slot: the anchor for slot 1, else the previous label
-        prev = torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :]
-        prev = seq.ids[prev.clamp_max(s - 1)][valid]
-        sel_ce, present, best = selector_terms(draft, frozen, h[valid], logits, prev, lab[valid])
+        sel_ce, present, best = selector_terms(draft, frozen, h[valid], logits, seq.ids[before],
+                                               lab[valid])
         sel_w = w * present
         loss = loss + selector_weight * (sel_w * sel_ce).sum() / sel_w.sum().clamp_min(1e-6)
     right = best == lab[valid]
@@ -456,7 +455,7 @@ def load_frozen(model: str) -> tuple[Frozen, object]:
 class Teacher:
     """The target's own next-token distribution, recomputed from a stored layer's output.
 
-    The stored features hold the output of decoder layer ``start``; running the target's
+    The stored features hold the output of the deepest tapped layer; running the target's
     remaining layers (dense causal attention, no cache), its final norm and its head on them
     gives the target's logits at every position of the sequence, without rerunning the layers
     below. Used for distillation (``--distill``): the draft learns the target's whole
@@ -486,9 +485,10 @@ class Teacher:
 
     @torch.no_grad()
     def logits(self, feats: torch.Tensor, rows: torch.Tensor,
-               vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits ``[len(rows), V]`` (``V``: the draft vocabulary's ids when given) at
-        positions ``rows`` of a sequence with tapped features ``feats`` ``[S, taps*H]``."""
+               head: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits ``[len(rows), V]`` at positions ``rows`` of a sequence with tapped
+        features ``feats`` ``[S, taps*H]``; ``head``: rows of the target's LM head to score
+        (``Frozen.head``, cut to the draft vocabulary), else all of it."""
         m = self.model
         h = feats[:, self.columns].to(self.dtype)
         s = h.shape[0]
@@ -502,8 +502,8 @@ class Teacher:
             )[0]
             h = h + attn.o_proj(out.transpose(0, 1).reshape(s, attn.q_size))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        head = self.head if vocab_ids is None else self.head.index_select(0, vocab_ids)
-        return (m.norm(h.index_select(0, rows)) @ head.t()).float()
+        head = self.head if head is None else head
+        return (m.norm(h.index_select(0, rows)).to(head.dtype) @ head.t()).float()
 
 
 def train(args) -> dict:
