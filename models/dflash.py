@@ -7,7 +7,8 @@ context K/V. A query block ``[last token, MASK x K]`` then runs through the Qwen
 with non-causal attention over the context and the whole block.
 
 Checkpoint: ``config.json`` (``architectures: ["DFlashDraftModel"]``, Qwen3 fields,
-``block_size``, ``num_target_layers``, ``dflash_config.{target_layer_ids, mask_token_id}``) and
+``block_size``, ``num_target_layers``, ``dflash_config.{target_layer_ids, mask_token_id}``,
+optionally ``dflash_config.refine_passes`` and ``refine_threshold``, see ``DFlashConfig``) and
 safetensors with ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``layers.{i}.self_attn.{q,k}_norm``,
 ``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``, ``fc``,
 ``hidden_norm``, ``norm``. A draft may also ship its own mask embedding: a float tensor of shape
@@ -55,6 +56,7 @@ def iter_draft_weights(folder) -> Iterable[tuple[str, torch.Tensor]]:
     if mask_file.is_file():
         yield from load_file(str(mask_file)).items()
 D2T_KEY = "d2t"
+MAX_REFINE = 4  # refinement passes a draft config may ask for (each costs one block pass)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,13 @@ class DFlashConfig(StackShape):
     mask_token_id: int | None
     num_target_layers: int | None
     draft_vocab_size: int | None = None
+    # Refinement passes after the first: each reruns the query block with the previous pass's
+    # greedy guesses in place of MASK (the context K/V stay), so a slot sees what the draft
+    # expects before it. A property of how the draft was trained (``train_dflash --refine``).
+    refine_passes: int = 0
+    # A guess replaces MASK only where the draft gives it at least this probability (0: every
+    # slot), so a refinement pass is not led by the first pass's unsure guesses.
+    refine_threshold: float = 0.0
 
     @property
     def layer(self) -> LayerSpec:
@@ -102,6 +111,15 @@ def draft_fields(hf: dict[str, Any]) -> dict[str, Any]:
     vocab = hf.get("vocab_size")
     if draft_vocab is not None and vocab is not None and int(draft_vocab) == int(vocab):
         draft_vocab = None  # the full vocabulary: no subset
+    refine = dflash.get("refine_passes", 0)
+    if isinstance(refine, bool) or not isinstance(refine, int) or not 0 <= refine <= MAX_REFINE:
+        raise ModelConfigError(f"Draft dflash_config.refine_passes must be an integer in "
+                               f"[0, {MAX_REFINE}], got {refine!r}")
+    threshold = dflash.get("refine_threshold", 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not 0.0 <= threshold < 1.0:
+        raise ModelConfigError(f"Draft dflash_config.refine_threshold must be a number in "
+                               f"[0, 1), got {threshold!r}")
     return {
         **fields,
         "attention_bias": bool(hf.get("attention_bias", False)),
@@ -110,6 +128,8 @@ def draft_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "mask_token_id": None if mask_id is None else int(mask_id),
         "num_target_layers": None if num_target is None else int(num_target),
         "draft_vocab_size": None if draft_vocab is None else int(draft_vocab),
+        "refine_passes": refine,
+        "refine_threshold": float(threshold),
     }
 
 

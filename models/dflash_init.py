@@ -28,6 +28,8 @@ def draft_hf_config(
     intermediate_size: int | None = None,
     draft_vocab_size: int | None = None,
     dflash2: dict | None = None,
+    refine_passes: int = 0,
+    refine_threshold: float = 0.0,
 ) -> dict:
     """A reference-format draft ``config.json`` sized for ``target``; ``dflash2`` (the keys
     ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``) makes it
@@ -53,6 +55,8 @@ def draft_hf_config(
         "block_size": block_size,
         "num_target_layers": target.num_layers,
         "dflash_config": {"target_layer_ids": list(ids), "mask_token_id": mask_token_id,
+                          **({"refine_passes": refine_passes} if refine_passes else {}),
+                          **({"refine_threshold": refine_threshold} if refine_threshold else {}),
                           **(dflash2 or {})},
         **extra,
     }

@@ -7,7 +7,9 @@ token ``anchor + k`` with cross-entropy weighted by ``exp(-(k-1)/gamma)``. The t
 embedding and LM head are frozen; AdamW with warmup and cosine decay, gradient clipping,
 checkpoints every ``--save-every`` steps, ``--resume`` to continue a run. ``--distill W``
 mixes in the target's whole next-token distribution (``Teacher``); ``--eval-only`` also walks
-each validation sequence as a server would (``served_walk``).
+each validation sequence as a server would (``served_walk``). ``--refine N`` trains N more
+block passes that see the previous pass's guesses (``--refine-threshold``: only the sure ones),
+served as trained; ``--vocab-from`` keeps a saved draft's reduced vocabulary.
 
 ``--dflash2`` trains a DFlash2 draft (``models/dflash2.py``): the same blocks and loss, with
 block convolutions in every layer (initialised to the identity, so training starts from a
@@ -200,6 +202,17 @@ def build_draft_vocab(seqs: list[Sequence], size: int, vocab_size: int) -> torch
     return torch.sort(by_freq[:size]).values
 
 
+def saved_draft_vocab(folder: Path) -> torch.Tensor:
+    """The target ids a saved draft scores (its ``d2t``), e.g. to keep a shipped draft's
+    vocabulary when continuing it on a piece of data too small to derive a good one."""
+    from models.dflash import iter_draft_weights
+
+    d2t = dict(iter_draft_weights(folder)).get(D2T_KEY)
+    if d2t is None:
+        raise ValueError(f"--vocab-from {folder}: the draft has no reduced vocabulary (d2t)")
+    return torch.arange(d2t.shape[0]) + d2t.long()
+
+
 def selector_terms(
     draft: DFlash2DraftModel, frozen: Frozen, h: torch.Tensor, logits: torch.Tensor,
     prev: torch.Tensor, labels: torch.Tensor,
@@ -254,14 +267,10 @@ def sequence_loss(
     emb = draft.mask_embedding.expand(len(anchors), b, -1).clone()
     emb[:, 0] = frozen.embed[block_ids]
     pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).reshape(-1)
-    h = dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask, block_len=b)
-    h = h.view(len(anchors), b, -1)[:, 1:]
     lab = labels[:, 1:]
     valid = lab != -100
     # the position before each valid slot: slot k of anchor a predicts token a + k from a+k-1
     before = (torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :])[valid]
-    # the frozen head dominates the cost; it may be stored in bfloat16 (see load_frozen)
-    logits = (h[valid].to(frozen.head.dtype) @ frozen.head.t()).float()
     target = lab[valid]
     w = position_weights(b, gamma)[1:].expand_as(lab)[valid]
     if frozen.vocab_ids is not None:
@@ -269,11 +278,36 @@ def sequence_loss(
         target = frozen.t2d[target]
         w = w * (target >= 0)
         target = target.clamp_min(0)
-    ce = F.cross_entropy(logits, target, reduction="none")
+    soft = None
     if teacher is not None and distill > 0:
         soft = teacher.logits(feats, before, frozen.head).softmax(-1)  # the draft's vocabulary
-        ce = (1 - distill) * ce + distill * F.cross_entropy(logits, soft, reduction="none")
-    loss = (w * ce).sum() / w.sum().clamp_min(1e-6)
+    # Pass 0 sees MASK at every drafted slot; each refinement pass sees the previous pass's
+    # greedy guesses there instead (as served, see DFlashConfig.refine_passes). Every pass is
+    # trained on the labels, so the guesses a refinement starts from stay good; the served
+    # proposals (and the hits below) are the last pass's.
+    passes = 1 + draft.config.refine_passes
+    masks = emb[:, 1:]
+    loss = torch.zeros(())
+    for i in range(passes):
+        h = dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask, block_len=b)
+        h = h.view(len(anchors), b, -1)[:, 1:]
+        # the frozen head dominates the cost; it may be stored in bfloat16 (see load_frozen)
+        scores = (h.to(frozen.head.dtype) @ frozen.head.t()).float()  # every slot: the guesses
+        logits = scores[valid]
+        ce = F.cross_entropy(logits, target, reduction="none")
+        if soft is not None:
+            ce = (1 - distill) * ce + distill * F.cross_entropy(logits, soft, reduction="none")
+        loss = loss + (w * ce).sum() / w.sum().clamp_min(1e-6) / passes
+        if i + 1 < passes:
+            sure, guess = scores.detach().softmax(-1).max(-1)
+            if frozen.vocab_ids is not None:
+                guess = frozen.vocab_ids[guess]
+            fill = frozen.embed[guess]
+            if draft.config.refine_threshold > 0:  # unsure slots keep the first pass's input
+                fill = torch.where((sure >= draft.config.refine_threshold)[..., None], fill,
+                                   masks)
+            emb = emb.clone()
+            emb[:, 1:] = fill
     correct = torch.zeros(b - 1)
     counts = torch.zeros(b - 1)
     slot = torch.arange(1, b).expand_as(lab)[valid] - 1
@@ -363,7 +397,8 @@ def build_draft(args, target_cfg, frozen: Frozen) -> tuple[DFlashDraftModel, dic
                          target_layer_ids=args.taps, mask_token_id=None,
                          intermediate_size=args.ffn,
                          draft_vocab_size=None if vocab is None else int(vocab.shape[0]),
-                         dflash2=dflash2)
+                         dflash2=dflash2, refine_passes=args.refine,
+                         refine_threshold=args.refine_threshold)
     draft = build_draft_model(draft_config(hf), max_positions=args.max_positions)
     torch.manual_seed(args.seed)
     with torch.no_grad():
@@ -519,7 +554,9 @@ def train(args) -> dict:
     rng = random.Random(args.seed)
     val, train_seqs = split_sequences(seqs, args.val_sequences, args.seed, args.train_tokens,
                                       val_from)
-    if args.draft_vocab:
+    if args.vocab_from:
+        frozen = frozen.restrict(saved_draft_vocab(args.vocab_from))
+    elif args.draft_vocab:
         frozen = frozen.restrict(build_draft_vocab(train_seqs, args.draft_vocab,
                                                    frozen.embed.shape[0]))
     draft, hf = build_draft(args, target_cfg, frozen)
@@ -689,8 +726,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight in [0, 1] of the target's whole next-token distribution in the "
                         "loss, next to its greedy token (recomputed from the deepest tap)")
+    p.add_argument("--refine", type=int, default=0,
+                   help="refinement passes: after the first pass each block runs again with "
+                        "the draft's own greedy guesses in place of MASK (trained and served "
+                        "so; each costs one more block pass)")
+    p.add_argument("--refine-threshold", type=float, default=0.0,
+                   help="a refinement pass takes a guess only where the draft gives it at least "
+                        "this probability; other slots stay MASK (0: every guess)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="score only the N most frequent response tokens (0: the full vocabulary)")
+    p.add_argument("--vocab-from", type=Path, default=None,
+                   help="score the reduced vocabulary of this saved draft (instead of deriving "
+                        "--draft-vocab from the data)")
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)

@@ -4,8 +4,9 @@ After the target pass, the tapped target states of every accepted position becom
 context K/V (written into the draft group's pages at those positions; a request's writes wait
 until it drafts and land in one batch before its proposal reads the pages);
 then the query block ``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to
-look-ahead slots and attends to the whole context plus the block. The draft is greedy;
-verification stays exact. A DFlash2 draft (detected from its config.json) is served by
+look-ahead slots and attends to the whole context plus the block. A draft trained with
+refinement passes (``dflash_config.refine_passes``) reruns the block with its own greedy
+guesses in place of MASK. The draft is greedy; verification stays exact. A DFlash2 draft (detected from its config.json) is served by
 ``engine/spec/dflash2.py``: the same pass, then its candidate selector chooses the tokens.
 """
 
@@ -273,14 +274,34 @@ class DFlashProposer:
 
     def _block_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta
                     ) -> tuple[torch.Tensor]:
-        """The draft's states ``[n*(K+1), H]`` for query blocks ``[token, MASK x K]``."""
+        """The draft's states ``[n*(K+1), H]`` for query blocks ``[token, MASK x K]``; a draft
+        trained with refinement passes then reruns each block with its greedy guesses in place
+        of MASK (same positions and slots: the block's K/V are overwritten, the context's stay),
+        all on the device, so a CUDA graph captures every pass."""
         q_len = self.num_speculative_tokens + 1
         embeds = self.target.embed(ids)
         if self.draft.mask_embedding is not None:
             embeds = embeds.view(-1, q_len, embeds.shape[-1]).clone()
             embeds[:, 1:] = self.draft.mask_embedding.to(embeds.dtype)
             embeds = embeds.view(ids.shape[0], -1)
-        return (self.draft(embeds, positions, meta, self._kv, block_len=q_len),)
+        hidden = self.draft(embeds, positions, meta, self._kv, block_len=q_len)
+        cfg = self.draft.config
+        masks = embeds.view(-1, q_len, embeds.shape[-1])[:, 1:]
+        for _ in range(cfg.refine_passes):
+            blocks = hidden.view(-1, q_len, hidden.shape[-1])
+            logits = self.draft_logits(blocks[:, 1:].reshape(-1, hidden.shape[-1]))
+            guess = logits.argmax(dim=-1)
+            if self._vocab_ids is not None:
+                guess = self._vocab_ids.index_select(0, guess)
+            fill = self.target.embed(guess).view(masks.shape)
+            if cfg.refine_threshold > 0:
+                sure = logits.float().softmax(-1).amax(-1) >= cfg.refine_threshold
+                fill = torch.where(sure.view(*masks.shape[:2], 1), fill, masks)
+            embeds = embeds.view(blocks.shape[0], q_len, -1).clone()
+            embeds[:, 1:] = fill
+            embeds = embeds.view(ids.shape[0], -1)
+            hidden = self.draft(embeds, positions, meta, self._kv, block_len=q_len)
+        return (hidden,)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

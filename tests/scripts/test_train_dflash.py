@@ -68,12 +68,13 @@ def _tiny_target_config():
     )
 
 
-def _tiny_setup(tmp_path):
+def _tiny_setup(tmp_path, refine_passes: int = 0):
     from models.dflash import DFlashConfig, DFlashDraftModel
     from models.dflash_init import draft_hf_config
 
     target = _tiny_target_config()
-    hf = draft_hf_config(target, num_layers=1, block_size=4, target_layer_ids=[1, 2])
+    hf = draft_hf_config(target, num_layers=1, block_size=4, target_layer_ids=[1, 2],
+                         refine_passes=refine_passes)
     torch.manual_seed(0)
     draft = DFlashDraftModel(DFlashConfig.from_hf(hf), max_positions=256)
     with torch.no_grad():
@@ -92,8 +93,9 @@ def _tiny_setup(tmp_path):
     return draft, frozen, seqs
 
 
-def test_a_few_training_steps_reduce_the_loss(tmp_path):
-    draft, frozen, seqs = _tiny_setup(tmp_path)
+@pytest.mark.parametrize("refine_passes", [0, 1])
+def test_a_few_training_steps_reduce_the_loss(tmp_path, refine_passes):
+    draft, frozen, seqs = _tiny_setup(tmp_path, refine_passes=refine_passes)
     rng = random.Random(0)
     anchors = [train.sample_anchors(s.prompt_len, s.ids.shape[0], 6, rng) for s in seqs]
 
@@ -140,6 +142,135 @@ def test_dense_training_forward_equals_paged_draft_forward(tmp_path):
                                slot_mapping=pos, causal=False, block_size=4)
         paged = draft(emb, pos, TorchBackend().build_metadata(batch, torch.device("cpu")), kv)
     torch.testing.assert_close(dense, paged, atol=1e-5, rtol=1e-5)
+
+
+def _two_passes(draft, frozen, seq, anchor):
+    """Pass 0 (MASK) and pass 1 of a block, dense: pass 1 sees pass 0's greedy guesses where
+    their probability reaches ``refine_threshold``, MASK elsewhere. Returns both passes'
+    states, the guesses and where they were taken."""
+    b = draft.config.block_size
+    feats = seq.feats.float()
+    mask = train.block_mask(seq.ids.shape[0], [anchor], b)
+    pos = torch.arange(anchor, anchor + b)
+    emb = draft.mask_embedding.detach().expand(b, -1).clone()
+    emb[0] = frozen.embed[seq.ids[anchor]]
+    first = train.dense_forward(draft, feats, emb, pos, mask)
+    sure, guess = (first[1:] @ frozen.head.t()).softmax(-1).max(-1)
+    taken = sure >= draft.config.refine_threshold
+    emb[1:][taken] = frozen.embed[guess[taken]]
+    return first, guess, taken, train.dense_forward(draft, feats, emb, pos, mask)
+
+
+def _set_threshold(draft, frozen, seq, anchor, which: str) -> None:
+    """``which``: "none" (every guess taken) or "median" (the median first-pass probability,
+    so some guesses are taken and some slots stay MASK)."""
+    import dataclasses
+
+    if which == "median":
+        with torch.no_grad():
+            first = _two_passes(draft, frozen, seq, anchor)[0]
+        sure = (first[1:] @ frozen.head.t()).softmax(-1).amax(-1)
+        draft.config = dataclasses.replace(draft.config, refine_threshold=float(sure.median()))
+
+
+def _larger_weights(draft) -> None:
+    """Random weights large enough that the guesses vary by slot and by pass."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+@pytest.mark.parametrize("threshold", ["none", "median"])
+def test_a_refinement_pass_reruns_the_block_on_the_first_passs_guesses(tmp_path, threshold):
+    """With ``refine_passes`` 1 the loss is the mean of both passes' and the predictions
+    (hits) are the second pass's, whose block holds the first pass's greedy guesses (those
+    sure enough, with a threshold)."""
+    draft, frozen, seqs = _tiny_setup(tmp_path, refine_passes=1)
+    assert draft.config.refine_passes == 1
+    _larger_weights(draft)
+    seq, anchor, b = seqs[0], 13, draft.config.block_size
+    _set_threshold(draft, frozen, seq, anchor, threshold)
+    with torch.no_grad():
+        first, guess, taken, second = _two_passes(draft, frozen, seq, anchor)
+    assert taken.all() if threshold == "none" else 0 < int(taken.sum()) < b - 1
+    # the tokens after the anchor become the second pass's predictions (the block's input is
+    # the anchor token and the context features only, so the passes do not change): all hits
+    labels = (second[1:] @ frozen.head.t()).argmax(-1)
+    assert labels.tolist() != guess.tolist()  # else this test could not tell the passes apart
+    ids = seq.ids.clone()
+    ids[anchor + 1 : anchor + b] = labels
+    seq = train.Sequence(ids=ids, feats=seq.feats, prompt_len=seq.prompt_len)
+    with torch.no_grad():
+        loss, _, _, hits = train.sequence_loss(draft, frozen, seq, [anchor], 3.0)
+    assert hits[0].tolist() == [1] * (b - 1)
+    w = train.position_weights(b, 3.0)[1:]
+    ce = [(w * torch.nn.functional.cross_entropy(h[1:] @ frozen.head.t(), labels,
+                                                 reduction="none")).sum() / w.sum()
+          for h in (first, second)]
+    torch.testing.assert_close(loss, (ce[0] + ce[1]) / 2)
+
+
+@pytest.mark.parametrize("threshold", ["none", "median"])
+def test_served_refinement_equals_the_training_passes(tmp_path, threshold):
+    """The proposer's block pass (paged, as served) runs the same refinement as training: its
+    final states equal the dense second pass's, and its proposals are their argmax."""
+    from attention.backends.base import AttentionBatch
+    from attention.backends.torch_backend import TorchBackend
+    from attention.groups import build_groups
+    from engine.kv_pool import KVPool
+    from engine.spec.dflash import DFlashProposer
+    from models.llama import LlamaForCausalLM
+
+    draft, frozen, seqs = _tiny_setup(tmp_path, refine_passes=1)
+    _larger_weights(draft)
+    draft.requires_grad_(False)
+    target = LlamaForCausalLM(_tiny_target_config(), 256).requires_grad_(False)
+    target.embed_tokens.weight.copy_(frozen.embed)  # tied: the frozen embedding and head
+    seq, anchor, b = seqs[0], 13, draft.config.block_size
+    proposer = DFlashProposer(draft, target, b - 1, "auto", 4, torch.device("cpu"))
+    groups = build_groups(proposer.layer_specs(), torch.float32)
+    pool = KVPool(list(groups.values()), num_blocks=16, layout="NHD", device=torch.device("cpu"))
+    backend = TorchBackend()
+    proposer.bind(pool, backend)
+    kv = pool.layers(proposer.layer_names)
+    pos = torch.arange(anchor, anchor + b)
+    ids = torch.full((b,), 0)
+    ids[0] = seq.ids[anchor]
+    _set_threshold(draft, frozen, seq, anchor, threshold)
+    with torch.no_grad():
+        _, guess, taken, second = _two_passes(draft, frozen, seq, anchor)
+    assert taken.all() if threshold == "none" else 0 < int(taken.sum()) < b - 1
+    with torch.no_grad():
+        draft.write_context(seq.feats.float()[:anchor], torch.arange(anchor), torch.arange(anchor), kv)
+        batch = AttentionBatch(q_lens=(b,), kv_lens=(anchor + b,), block_tables=(tuple(range(16)),),
+                               slot_mapping=pos, causal=False, block_size=4)
+        served, = proposer._block_pass(ids, pos, backend.build_metadata(batch, torch.device("cpu")))
+    assert len(set(guess.tolist())) > 1
+    torch.testing.assert_close(served, second, atol=1e-5, rtol=1e-5)
+    assert (served[1:] @ frozen.head.t()).argmax(-1).tolist() == \
+        (second[1:] @ frozen.head.t()).argmax(-1).tolist()
+
+
+def test_refine_passes_in_a_draft_config_are_checked():
+    from models.dflash import DFlashConfig
+    from models.dflash_init import draft_hf_config
+    from models.hf_folder import ModelConfigError
+
+    hf = draft_hf_config(_tiny_target_config(), num_layers=1, block_size=4, refine_passes=2)
+    assert DFlashConfig.from_hf(hf).refine_passes == 2
+    assert "refine_passes" not in draft_hf_config(_tiny_target_config(), 1, 4)["dflash_config"]
+    for bad in (-1, 5, 1.5, True, "1"):
+        hf["dflash_config"]["refine_passes"] = bad
+        with pytest.raises(ModelConfigError, match="refine_passes"):
+            DFlashConfig.from_hf(hf)
+    hf = draft_hf_config(_tiny_target_config(), 1, 4, refine_passes=1, refine_threshold=0.6)
+    assert DFlashConfig.from_hf(hf).refine_threshold == 0.6
+    for bad in (-0.1, 1.0, True, "0.5", None):
+        hf["dflash_config"]["refine_threshold"] = bad
+        with pytest.raises(ModelConfigError, match="refine_threshold"):
+            DFlashConfig.from_hf(hf)
 
 
 def test_simulated_acceptance_counts_the_correct_prefix_plus_bonus():
@@ -319,7 +450,7 @@ def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
 
     draft, frozen, _ = _tiny_setup(tmp_path)
     args = SimpleNamespace(layers=1, block_size=4, taps=[1, 2], ffn=48, max_positions=64, seed=5,
-                           dflash2=False)
+                           dflash2=False, refine=0, refine_threshold=0.0)
     frozen_small = frozen.restrict(torch.tensor([0, 2, 3, 5, 7, 11, 13, 17]))
     saved, hf = train.build_draft(args, _tiny_target_config(), frozen_small)
     with torch.no_grad():  # a trained mask embedding, unlike a fresh draft's (the mean row)
@@ -338,6 +469,12 @@ def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
         assert torch.equal(got[k], v), k
     assert fresh.draft_token_ids.tolist() == [1, 2, 4, 6, 8, 9, 10, 12]
     assert fresh.mask_embedding.requires_grad
+    # --vocab-from: the saved draft's own vocabulary instead of this run's
+    assert train.saved_draft_vocab(tmp_path / "saved").tolist() == [0, 2, 3, 5, 7, 11, 13, 17]
+    full, hf_full = train.build_draft(args, _tiny_target_config(), frozen)
+    save_draft(full, hf_full, tmp_path / "full", dtype=torch.float32)
+    with pytest.raises(ValueError, match="no reduced vocabulary"):
+        train.saved_draft_vocab(tmp_path / "full")
 
     wrong, hf3 = train.build_draft(SimpleNamespace(**{**vars(args), "taps": [0, 2]}),
                                    _tiny_target_config(), other_vocab)
@@ -355,7 +492,7 @@ def test_init_takes_another_block_size_and_a_subset_of_the_taps(tmp_path):
 
     _, frozen, _ = _tiny_setup(tmp_path)
     args = SimpleNamespace(layers=1, block_size=4, taps=[0, 1, 2], ffn=48, max_positions=64,
-                           seed=5, dflash2=False)
+                           seed=5, dflash2=False, refine=0, refine_threshold=0.0)
     saved, hf = train.build_draft(args, _tiny_target_config(), frozen)
     save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
 
@@ -392,7 +529,7 @@ def test_init_grows_a_deeper_draft_that_starts_as_the_saved_one(tmp_path):
 
     _, frozen, seqs = _tiny_setup(tmp_path)
     args = SimpleNamespace(layers=1, block_size=4, taps=[1, 2], ffn=48, max_positions=64, seed=5,
-                           dflash2=False)
+                           dflash2=False, refine=0, refine_threshold=0.0)
     saved, hf = train.build_draft(args, _tiny_target_config(), frozen)
     save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
     deep, hf2 = train.build_draft(SimpleNamespace(**{**vars(args), "layers": 2, "seed": 9}),
@@ -482,7 +619,7 @@ def test_distillation_pulls_the_draft_towards_the_targets_distribution(tmp_path)
             for ids, (states, _) in zip(raw, _hf_states(target, raw))]
     teacher = train.Teacher(str(target), [1, 2], dtype=torch.float32)
     args = SimpleNamespace(layers=1, block_size=4, taps=[1, 2], ffn=48, max_positions=64, seed=0,
-                           dflash2=False)
+                           dflash2=False, refine=0, refine_threshold=0.0)
     draft, _ = train.build_draft(args, cfg, frozen)
     rng = random.Random(0)
     anchors = [train.sample_anchors(s.prompt_len, s.ids.shape[0], 6, rng) for s in seqs]

@@ -151,3 +151,35 @@ def test_greedy_equal_with_mask_embedding_draft(qwen3_target, baseline_cache, tm
     llm = make_llm(qwen3_target, _dflash(tmp_path, 3))
     assert llm.engine.runner.proposer.draft.mask_embedding is not None
     assert_same_tokens(_run(llm, PROMPTS, MAX_TOKENS), want)
+
+
+def test_greedy_equal_with_a_refining_draft(qwen3_target, baseline_cache, tmp_path):
+    """A draft whose config asks for a refinement pass runs two block passes per proposal
+    (through the same paged look-ahead slots) and stays exact."""
+    import json
+
+    from .helpers import save_draft
+
+    save_draft(tmp_path, seed=5)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["dflash_config"]["refine_passes"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS, "auto")
+    llm = make_llm(qwen3_target, _dflash(tmp_path, 3))
+    proposer = llm.engine.runner.proposer
+    assert proposer.draft.config.refine_passes == 1
+    calls = {"block": 0, "draft": 0}
+    real_block, real_forward = proposer._block_pass, proposer.draft.forward
+
+    def block_pass(*args, **kwargs):
+        calls["block"] += 1
+        return real_block(*args, **kwargs)
+
+    def forward(*args, **kwargs):
+        calls["draft"] += 1
+        return real_forward(*args, **kwargs)
+
+    proposer._block_pass, proposer.draft.forward = block_pass, forward
+    assert_same_tokens(_run(llm, PROMPTS, MAX_TOKENS), want)
+    _assert_spec_active(llm)
+    assert calls["block"] > 0 and calls["draft"] == 2 * calls["block"]
