@@ -737,7 +737,7 @@ def parser() -> argparse.ArgumentParser:
                    help="score only the N most frequent response tokens (0: the full vocabulary)")
     p.add_argument("--vocab-from", type=Path, default=None,
                    help="score the reduced vocabulary of this saved draft (instead of deriving "
-                        "--draft-vocab from the data)")
+                        "--draft-vocab from the data; it takes precedence)")
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--epochs", type=int, default=3)

@@ -6,8 +6,9 @@ until it drafts and land in one batch before its proposal reads the pages);
 then the query block ``[last sampled token, MASK x K]`` at positions ``p..p+K`` goes to
 look-ahead slots and attends to the whole context plus the block. A draft trained with
 refinement passes (``dflash_config.refine_passes``) reruns the block with its own greedy
-guesses in place of MASK. The draft is greedy; verification stays exact. A DFlash2 draft (detected from its config.json) is served by
-``engine/spec/dflash2.py``: the same pass, then its candidate selector chooses the tokens.
+guesses in place of MASK. The draft is greedy; verification stays exact. A DFlash2 draft
+(detected from its config.json) is served by ``engine/spec/dflash2.py``: the same pass, then
+its candidate selector chooses the tokens.
 """
 
 from __future__ import annotations
