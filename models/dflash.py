@@ -147,6 +147,24 @@ def _reject_unsupported(hf: dict[str, Any], dflash: dict[str, Any]) -> None:
             raise ModelConfigError(f"Draft option {key}={value!r} is not supported")
 
 
+def refinement_inputs(logits: torch.Tensor, masks: torch.Tensor, vocab_ids: torch.Tensor | None,
+                      embed: Callable[[torch.Tensor], torch.Tensor], threshold: float
+                      ) -> torch.Tensor:
+    """What a refinement pass sees in a block's drafted slots (training and serving alike):
+    the previous pass's greedy guess, embedded, where its probability is at least
+    ``threshold`` (every guess at 0), else the slot's first-pass input. ``logits`` ``[..., V']``
+    score the draft vocabulary (``vocab_ids`` maps it to target ids; None: all of it),
+    ``masks`` ``[..., H]`` are the first-pass inputs, ``embed`` embeds target ids."""
+    guess = logits.argmax(-1)
+    if vocab_ids is not None:
+        guess = vocab_ids[guess]
+    fill = embed(guess)
+    if threshold > 0:
+        sure = logits.float().softmax(-1).amax(-1) >= threshold
+        fill = torch.where(sure[..., None], fill, masks)
+    return fill
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """Evenly spaced taps from layer 1 to ``num_target_layers - 3`` (one tap: the middle)."""
     if num_taps == 1:

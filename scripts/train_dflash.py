@@ -37,7 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from models.dflash import D2T_KEY, DFlashDraftModel  # noqa: E402
+from models.dflash import D2T_KEY, DFlashDraftModel, refinement_inputs  # noqa: E402
 from models.dflash2 import DFlash2DraftModel, DFlash2Layer, draft_config  # noqa: E402
 from models.dflash2 import build_draft as build_draft_model  # noqa: E402
 from models.dflash_init import draft_hf_config, save_draft  # noqa: E402
@@ -299,15 +299,10 @@ def sequence_loss(
             ce = (1 - distill) * ce + distill * F.cross_entropy(logits, soft, reduction="none")
         loss = loss + (w * ce).sum() / w.sum().clamp_min(1e-6) / passes
         if i + 1 < passes:
-            sure, guess = scores.detach().softmax(-1).max(-1)
-            if frozen.vocab_ids is not None:
-                guess = frozen.vocab_ids[guess]
-            fill = frozen.embed[guess]
-            if draft.config.refine_threshold > 0:  # unsure slots keep the first pass's input
-                fill = torch.where((sure >= draft.config.refine_threshold)[..., None], fill,
-                                   masks)
             emb = emb.clone()
-            emb[:, 1:] = fill
+            emb[:, 1:] = refinement_inputs(scores.detach(), masks, frozen.vocab_ids,
+                                           lambda ids: frozen.embed[ids],
+                                           draft.config.refine_threshold)
     correct = torch.zeros(b - 1)
     counts = torch.zeros(b - 1)
     slot = torch.arange(1, b).expand_as(lab)[valid] - 1

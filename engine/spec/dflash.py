@@ -32,6 +32,7 @@ from models.dflash import (
     DFlashConfig,
     DFlashDraftModel,
     iter_draft_weights,
+    refinement_inputs,
 )
 from models.dflash2 import DFlash2Config, build_draft, draft_config
 from models.hf_folder import load_hf_config
@@ -291,15 +292,10 @@ class DFlashProposer:
         for _ in range(cfg.refine_passes):
             blocks = hidden.view(-1, q_len, hidden.shape[-1])
             logits = self.draft_logits(blocks[:, 1:].reshape(-1, hidden.shape[-1]))
-            guess = logits.argmax(dim=-1)
-            if self._vocab_ids is not None:
-                guess = self._vocab_ids.index_select(0, guess)
-            fill = self.target.embed(guess).view(masks.shape)
-            if cfg.refine_threshold > 0:
-                sure = logits.float().softmax(-1).amax(-1) >= cfg.refine_threshold
-                fill = torch.where(sure.view(*masks.shape[:2], 1), fill, masks)
             embeds = embeds.view(blocks.shape[0], q_len, -1).clone()
-            embeds[:, 1:] = fill
+            embeds[:, 1:] = refinement_inputs(logits.view(*masks.shape[:2], -1), masks,
+                                              self._vocab_ids, self.target.embed,
+                                              cfg.refine_threshold)
             embeds = embeds.view(ids.shape[0], -1)
             hidden = self.draft(embeds, positions, meta, self._kv, block_len=q_len)
         return (hidden,)
