@@ -88,4 +88,4 @@ class StepResult:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     elapsed: float = 0.0  # wall seconds the runner spent on the step (models and sampling)
-    draft_elapsed: float = 0.0  # the part of ``elapsed`` spent in the proposer
+    draft_elapsed: float = 0.0  # the part of ``elapsed`` spent drafting (Proposer.draft_seconds)

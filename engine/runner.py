@@ -94,9 +94,8 @@ class ModelRunner:
                     result.logprobs[rid] = res.logprobs
         if self.proposer is not None:
             items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
-            t_draft = time.perf_counter()
             result.drafts = self.proposer.propose(items, captured)
-            result.draft_elapsed = time.perf_counter() - t_draft
+            result.draft_elapsed = self.proposer.draft_seconds
         result.elapsed = time.perf_counter() - t0
         return result
 

@@ -32,6 +32,10 @@ class Proposer(Protocol):
     num_speculative_tokens: int
     capture_layers: tuple[int, ...]  # target layer ids whose outputs the proposer reads
     lookahead_slots: int  # extra KV slots a request needs past its length
+    # seconds the last propose() spent drafting, apart from keeping the draft's context (the
+    # controller prices drafting from it; catching up a context deferred over many plain steps
+    # is owed by those steps, not by the choice to draft now)
+    draft_seconds: float
 
     def use_graphs(self, config, pad) -> None:
         """Run the proposer's model passes from static buffers (``engine.graphs``), if any."""

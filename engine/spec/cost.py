@@ -7,8 +7,9 @@ grid measured at startup with the real runner on synthetic requests (rows 1, 4, 
 1, 2, 4, 8, ... tokens per row, within a few seconds), interpolated in between, cached per
 machine and model, and refined online from the timings of real steps: a plain step moves the
 level of its rows' whole line (every block size alike), a verifying step only the block-size
-columns it was priced from, a drafting step the draft curve with the proposer's own time (timed
-apart by the runner) and the table with the rest.
+columns it was priced from, a drafting step the draft curve with the proposer's drafting time
+(``Proposer.draft_seconds``: the block pass, not the draft context it catches up) and the table
+with the rest.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class StepCostModel:
         """Fold one real step's wall time into the cells it was interpolated from, each in
         proportion to its interpolation weight.
 
-        ``draft_seconds``: the proposer's part of ``seconds``, timed on its own by the runner.
-        It refines the draft curve, and the rest refines the table like any step. (Refining
+        ``draft_seconds``: the drafting part of ``seconds`` (``Proposer.draft_seconds``). It
+        refines the draft curve, and the rest refines the table like any step. (Refining
         the draft curve from the step's time beyond the table's prediction instead made it
         absorb every error of a table that only drafting steps visit: one stream drafting every
         step on an AVX2 CPU had the table's one-row line at 77-80 ms where its steps took 68
@@ -221,23 +222,27 @@ def measure_step_costs(
             plan.scheduled.append(ScheduledRequest(req, q, spec, draft=draft))
         return plan
 
-    def once(plan: StepPlan) -> float:
+    def once(plan: StepPlan) -> tuple[float, float]:
+        """Seconds of the step and of its drafting part (``Proposer.draft_seconds``)."""
         t0 = time.perf_counter()
-        runner.execute(plan)
+        result = runner.execute(plan)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, result.draft_elapsed
 
-    def run(*plans: StepPlan) -> list[float]:
-        """Best of ``repeats`` for each plan, the plans interleaved (drift hits them alike);
-        each is run once first: the first calls of a shape pick and build its kernels."""
+    def run(*plans: StepPlan, repeats: int = repeats) -> tuple[list[float], list[float]]:
+        """Best of ``repeats`` for each plan, the plans interleaved (drift hits them alike),
+        for the steps and for their drafting parts; each plan is run once first: the first
+        calls of a shape pick and build its kernels."""
         best = [float("inf")] * len(plans)
+        best_draft = [float("inf")] * len(plans)
         for rep in range(repeats + 1):
             for n, plan in enumerate(plans):
-                t = once(plan)
+                t, d = once(plan)
                 if rep:
                     best[n] = min(best[n], t)
-        return best
+                    best_draft[n] = min(best_draft[n], d)
+        return best, best_draft
 
     try:
         start = time.perf_counter()
@@ -257,7 +262,9 @@ def measure_step_costs(
             plans = [plan_for(rows, q, False) for q in shapes]
             if with_draft:
                 plans.append(plan_for(rows, 1, True))
-            times = run(*plans)
+            # one row is the cheapest line and the one single streams decide from: twice the
+            # rounds (its 8-token price varied by 1.14-1.66x over 3-round calibrations)
+            times, proposer = run(*plans, repeats=2 * repeats if rows == 1 else repeats)
             line = times[: len(shapes)]
             while len(line) < len(per_row):  # past the token budget, never scheduled
                 j = len(line)
@@ -266,7 +273,10 @@ def measure_step_costs(
             # more query tokens never cost less; timing noise only ever adds time, so where a
             # smaller block measured slower than a larger one, the smaller one was the noisy one
             table.append(np.minimum.accumulate(line[::-1])[::-1].tolist())
-            draft.append(max(0.0, times[-1] - line[0]) if with_draft else 0.0)
+            # the draft pass as the proposer times it (Proposer.draft_seconds): the difference
+            # of two whole steps, each noisy by milliseconds, once priced a 2.7 ms pass at 4.9
+            # and another at 0.0
+            draft.append(proposer[-1] if with_draft else 0.0)
         # nor do more rows: a cell measured slower than the same block with more rows was
         # noise (AVX2 float32 here once measured 4 rows at 154 ms and 16 rows at 130 ms)
         for i in range(len(table) - 2, -1, -1):

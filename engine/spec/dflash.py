@@ -14,6 +14,7 @@ its candidate selector chooses the tokens.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -139,6 +140,7 @@ class DFlashProposer:
         self._graphs: PaddedPasses | None = None  # static block passes (CUDA graphs)
         self._pending = PendingContext()
         self.max_pending_context_bytes = MAX_PENDING_CONTEXT_BYTES
+        self.draft_seconds = 0.0
         # The rows of the target's LM head the draft scores (all of them, or its reduced
         # vocabulary) and their target ids; selected once here, not per step.
         self._vocab_ids = draft.draft_token_ids
@@ -257,9 +259,11 @@ class DFlashProposer:
             pending.add(req, captured[row:row + count].clone(), start)
         if pending.num_bytes > self.max_pending_context_bytes:
             self._write_context(pending.take(bs))
+        self.draft_seconds = 0.0
         if not proposing:
             return {}
         self._write_context(pending.take(bs, [r.request_id for r in proposing]))
+        t0 = time.perf_counter()
         n = len(proposing)
         batch = AttentionBatch(
             q_lens=(k + 1,) * n, kv_lens=tuple(kv_lens), block_tables=tuple(tables),
@@ -272,7 +276,9 @@ class DFlashProposer:
             meta = self._backend.build_metadata(batch, self.device)
             hidden, = self._block_pass(self._index(block_ids), self._index(block_pos), meta)
         anchors = self._index(block_ids[:: k + 1])
-        return self.choose(proposing, hidden.view(n, k + 1, -1), anchors)
+        drafts = self.choose(proposing, hidden.view(n, k + 1, -1), anchors)  # on the host
+        self.draft_seconds = time.perf_counter() - t0
+        return drafts
 
     def _block_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta
                     ) -> tuple[torch.Tensor]:

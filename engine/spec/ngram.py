@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.spec.base import ProposalItem
@@ -18,6 +20,7 @@ class NgramProposer:
             )
         self.num_speculative_tokens = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
+        self.draft_seconds = 0.0
 
     def layer_specs(self) -> list:
         return []
@@ -32,6 +35,7 @@ class NgramProposer:
     def propose(
         self, items: list[ProposalItem], captured: torch.Tensor | None
     ) -> dict[str, list[int]]:
+        t0 = time.perf_counter()
         drafts = {}
         for it in items:
             if not it.sampled or not it.wants_draft:
@@ -41,6 +45,7 @@ class NgramProposer:
             found = lookup(context, self.min_n, self.max_n, self.num_speculative_tokens)
             if found:
                 drafts[req.request_id] = found
+        self.draft_seconds = time.perf_counter() - t0
         return drafts
 
 

@@ -160,6 +160,7 @@ class OracleProposer:
 
     capture_layers: tuple[int, ...] = ()
     lookahead_slots = 0
+    draft_seconds = 0.0
 
     def __init__(self, futures: dict[tuple[int, ...], list[int]], k: int, vocab: int,
                  corrupt: Callable[[int, str], int | None] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -85,6 +86,31 @@ def test_the_realized_gain_check_sees_decode_steps_only(qwen3_target, draft_b8_d
     # every decode row produces its token plus the accepted drafts, never more than verified
     assert all(rows <= kw["produced"] <= tokens for rows, tokens, kw in decode)
     assert any(kw["verified"] for _, _, kw in decode)
+
+
+def test_drafting_is_priced_without_the_draft_context_it_catches_up(qwen3_target, draft_b8_dir):
+    """A request that drafts after plain steps first writes the draft context those steps
+    deferred: that is part of the step's time, never of the draft pass's price (charged to
+    the draft, it priced one pass at 11.8 ms where it takes 3 and speculation stopped)."""
+    llm = _scripted(make_llm(qwen3_target, {"method": "dflash", "model": str(draft_b8_dir)}))
+    proposer = llm.engine.proposer
+    write = proposer._write_context
+    slow = 0.05
+
+    def slow_write(taken):
+        time.sleep(slow)
+        write(taken)
+
+    proposer._write_context = slow_write
+    seen = []
+    ctl = llm.engine.scheduler.controller
+    ctl.observe_step = lambda rows, tokens, drafted, seconds, **kw: seen.append(
+        (drafted, seconds, kw["draft_seconds"]))
+    llm.generate(random_prompts([5, 17, 9]), greedy(12))
+    drafting = [s for s in seen if s[0]]
+    assert drafting and all(seconds >= slow > draft for _, seconds, draft in drafting)
+    assert all(draft > 0 for _, _, draft in drafting)
+    assert all(draft == 0 for drafted, _, draft in seen if not drafted)
 
 
 def test_step_costs_are_cached_and_a_corrupt_cache_is_ignored(qwen3_target, draft_dir,
@@ -237,8 +263,12 @@ def test_cost_table_never_prices_more_rows_cheaper(monkeypatch):
         def execute(self, plan):
             rows = len(plan.scheduled)
             tokens = plan.num_tokens
-            t = 0.01 + 0.001 * tokens + (0.005 * rows if any(s.draft for s in plan.scheduled) else 0)
-            clock[0] += 3 * t if rows == noisy_rows else t
+            drafting = 0.005 * rows if any(s.draft for s in plan.scheduled) else 0.0
+            context = 0.002 * rows  # the draft's context update, drafting or not
+            t = 0.01 + 0.001 * tokens + context + drafting
+            slow = 3 if rows == noisy_rows else 1
+            clock[0] += slow * t
+            return types.SimpleNamespace(draft_elapsed=slow * drafting)
 
     monkeypatch.setattr(cost_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     model = cost_mod.measure_step_costs(
@@ -250,4 +280,6 @@ def test_cost_table_never_prices_more_rows_cheaper(monkeypatch):
         assert column == sorted(column), column
     assert model.table[1][0] == pytest.approx(model.table[2][0])  # 4 rows priced as 16
     assert model.draft == sorted(model.draft)
-    assert model.table[0][0] == pytest.approx(0.011)  # the clean cells are untouched
+    assert model.table[0][0] == pytest.approx(0.013)  # the clean cells are untouched
+    # the draft pass is priced from the runner's drafting time alone
+    assert model.draft[0] == pytest.approx(0.005) and model.draft[2] == pytest.approx(0.08)

@@ -38,6 +38,10 @@ class SpyProposer:
         self.lookahead_slots = inner.lookahead_slots
         self.records: list[dict] = []
 
+    @property
+    def draft_seconds(self) -> float:
+        return self.inner.draft_seconds
+
     def layer_specs(self):
         return self.inner.layer_specs()
 

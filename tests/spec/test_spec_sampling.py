@@ -94,6 +94,7 @@ class MostLikelyProposer:
 
     capture_layers = ()
     lookahead_slots = 0
+    draft_seconds = 0.0
 
     def __init__(self, hf, k):
         self.hf, self.num_speculative_tokens = hf, k
