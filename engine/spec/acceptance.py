@@ -10,6 +10,13 @@ Two levels share one update rule: an engine-wide curve (the draft's behaviour on
 traffic, seeded from the curve measured when the draft was evaluated and stored beside it) and
 one curve per request, whose prior is the engine-wide curve. A new request therefore starts
 from what the draft does on the current traffic and moves to its own rate within a few steps.
+
+A request's own evidence ages with its steps, verifying or not: acceptance comes in runs (an
+equation is drafted well, the prose around it less so), so what the last few drafts did says
+less and less about the next one as the text moves on. Without aging, a request whose drafts
+were rejected twice stopped drafting and kept its pessimistic curve through every plain step
+that followed: on GSM8K, one stream spent 145 of 320 steps without drafting and ran at 1.41x
+no speculation where always verifying 3 drafts ran at 1.70x.
 """
 
 from __future__ import annotations
@@ -39,6 +46,14 @@ class DecayedRates:
     def empty(cls, k: int, decay: float) -> DecayedRates:
         return cls([0.0] * k, [0.0] * k, decay)
 
+    def age(self) -> None:
+        """A step without verification: the evidence decays as if one had been observed."""
+        if self.trials[0] < 1e-3:  # the most observed position: nothing left to age
+            return
+        self.hits = [self.decay * h for h in self.hits]
+        self.trials = [self.decay * t for t in self.trials]
+        self.cached = None
+
     def observe(self, num_verified: int, num_accepted: int) -> None:
         for j in range(min(num_verified, num_accepted + 1)):
             self.hits[j] = self.decay * self.hits[j] + (1.0 if j < num_accepted else 0.0)
@@ -54,7 +69,7 @@ class AcceptanceModel:
 
     def __init__(self, k: int, seed_curve: list[float] | None = None, *,
                  seed_weight: float = 16.0, global_decay: float = 0.98,
-                 request_weight: float = 2.0, request_decay: float = 0.85) -> None:
+                 request_weight: float = 4.0, request_decay: float = 0.85) -> None:
         self.k = k
         curve = list(seed_curve or [])[:k]
         curve += [curve[-1] if curve else DEFAULT_PRIOR] * (k - len(curve))
@@ -91,6 +106,7 @@ class AcceptanceModel:
 
     def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
         if num_verified <= 0:
+            state.age()  # the request's own curve only: the engine-wide one saw nothing
             return
         state.observe(num_verified, num_accepted)
         self.global_counts.observe(num_verified, num_accepted)
