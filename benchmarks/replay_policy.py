@@ -60,12 +60,7 @@ def record(data: Path, out: Path, draft_dir: Path, model: str, taps: list[int]) 
     traces = []
     with torch.no_grad():
         for seq in td.load_sequences(data, taps):
-            first, s = seq.prompt_len, seq.ids.shape[0]
-            anchors, accepted = list(range(first, s - 1)), []
-            for i in range(0, len(anchors), 64):
-                hits = td.sequence_loss(draft, frozen, seq, anchors[i : i + 64], 1.0)[3]
-                accepted += hits.cumprod(dim=1).sum(dim=1).int().tolist()
-            traces.append({"accepted": accepted})
+            traces.append({"accepted": td.accepted_prefixes(draft, frozen, seq)})
     out.write_text(json.dumps({"k": draft.config.block_size - 1, "draft": str(draft_dir),
                                "traces": traces}))
     print(f"{len(traces)} sequences, {sum(len(t['accepted']) for t in traces)} positions -> {out}")
@@ -167,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--step-ms needs {k_max + 1} values for K = {k_max}")
         traces = [t["accepted"] for t in data["traces"]]
         seed_curve = load_seed_curve(data.get("draft"))
+
         def rate(pol: str, believe: str = "true") -> tuple[float, list[int]]:
             out = [replay(traces, pol, k_max=k_max, step_ms=args.step_ms,
                           draft_ms=args.draft_ms, noise=args.noise, seed=s,
@@ -180,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 label = f"{pol} ({believe} costs)" if pol == "adaptive" else pol
                 print(f"| {path.stem} | {label} | {tok_s:.1f} | {tok_s / base:.2f}x | "
                       + "/".join(map(str, by_k)) + " |")
+
 
 if __name__ == "__main__":
     main()

@@ -337,6 +337,17 @@ def simulated_acceptance(correct_prefix: torch.Tensor) -> float:
 
 
 @torch.no_grad()
+def accepted_prefixes(draft, frozen: Frozen, seq: Sequence, chunk: int = 64) -> list[int]:
+    """For every response position but the last, how many drafted tokens the target accepts
+    from a block anchored there (its correct prefix), the anchors run ``chunk`` at a time."""
+    anchors = list(range(seq.prompt_len, seq.ids.shape[0] - 1))
+    prefix = []
+    for i in range(0, len(anchors), chunk):
+        hits = sequence_loss(draft, frozen, seq, anchors[i : i + chunk], 1.0)[3]
+        prefix += hits.cumprod(dim=1).sum(dim=1).int().tolist()
+    return prefix
+
+
 def served_walk(draft, frozen: Frozen, seq: Sequence, chunk: int = 64) -> tuple[int, int]:
     """Tokens gained and steps taken by greedy speculation at the full block over one stored
     sequence, as a server would run it: the first block's anchor is the first response token
@@ -345,12 +356,7 @@ def served_walk(draft, frozen: Frozen, seq: Sequence, chunk: int = 64) -> tuple[
     ``simulated_acceptance``, steps linger where drafting fails, so ``tokens / steps`` is the
     served mean acceptance length (the ``vllm:spec_decode`` counters' figure)."""
     s, first = seq.ids.shape[0], seq.prompt_len
-    anchors = list(range(first, s - 1))  # every position the walk could stop at
-    prefix = []
-    for i in range(0, len(anchors), chunk):
-        hits = sequence_loss(draft, frozen, seq, anchors[i : i + chunk], 1.0)[3]
-        prefix.append(hits.cumprod(dim=1).sum(dim=1))
-    accepted = torch.cat(prefix).tolist() if prefix else []
+    accepted = accepted_prefixes(draft, frozen, seq, chunk)  # every position it could stop at
     a, tokens, steps = first, 0, 0
     while a < s - 1:
         gained = accepted[a - first] + 1

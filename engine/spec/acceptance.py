@@ -15,8 +15,8 @@ A request's own evidence ages with its steps, verifying or not: acceptance comes
 equation is drafted well, the prose around it less so), so what the last few drafts did says
 less and less about the next one as the text moves on. Without aging, a request whose drafts
 were rejected twice stopped drafting and kept its pessimistic curve through every plain step
-that followed: on GSM8K, one stream spent 145 of 320 steps without drafting and ran at 1.41x
-no speculation where always verifying 3 drafts ran at 1.70x.
+that followed: on GSM8K, one stream spent 145 of 288 request steps without drafting and ran at
+1.41x no speculation where always verifying 3 drafts ran at 1.70x.
 """
 
 from __future__ import annotations
