@@ -81,6 +81,9 @@ bench-peers:
 # continued from stage 3's draft.
 # Stage 5: a sixth piece (self-written prompts of seed 6 and second turns), trained with all the
 # earlier pieces, continued from stage 4's draft.
+# Stage 6: three more pieces (seed 9 chat with some GSM8K train; seed 10 programming requests;
+# seed 11 chat, GSM8K train and second turns, at most 256 answer tokens), continued from stage
+# 5's draft on those pieces alone, then averaged half and half with stage 5's draft.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
@@ -105,6 +108,16 @@ SYNTH_ARGS6 ?= --seed 6 --num 4400 --turn2 300 --num-gsm8k 0 --sources selfgen s
 SYNTH_ARGS5 ?= --seed 5 --num 1600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
                --max-tokens 384 --batch 64 --chunk 512
 SYNTH_ARGS  ?= --num 8000 --turn2 600 --num-gsm8k 7473 --max-tokens 384 --batch 64 --chunk 512
+DRAFT_DATA9 ?= $(HOME)/.cache/specserve/dflash-data-v9
+DRAFT_DATA10 ?= $(HOME)/.cache/specserve/dflash-data-v10
+DRAFT_DATA11 ?= $(HOME)/.cache/specserve/dflash-data-v11
+DRAFT_RUN6  ?= $(HOME)/.cache/specserve/dflash-run6b
+SYNTH_ARGS9 ?= --seed 9 --num 1500 --num-gsm8k 500 --sources selfgen gsm8k_train --max-tokens 256 \
+               --batch 64
+SYNTH_ARGS10 ?= --seed 10 --num 700 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
+               --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS11 ?= --seed 11 --num 2200 --turn2 150 --num-gsm8k 400 --gsm8k-from 2600 \
+               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
 train-draft: setup
@@ -132,8 +145,19 @@ train-draft: setup
 	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA6) --layers 1 14 27
 	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA3) $(DRAFT_DATA5) $(DRAFT_DATA4) \
 	    $(DRAFT_DATA6) --out $(DRAFT_RUN5) $(TRAIN_ARGS2) --init $(DRAFT_RUN4)/draft --resume
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA9) $(SYNTH_ARGS9)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA9) --layers 1 14 27
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA10) $(SYNTH_ARGS10)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA10) --layers 1 14 27
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA11) $(SYNTH_ARGS11) \
+	    --dedup-against $(DRAFT_DATA10)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA11) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA9) $(DRAFT_DATA10) $(DRAFT_DATA11) \
+	    --out $(DRAFT_RUN6) $(TRAIN_ARGS2) --init $(DRAFT_RUN5)/draft \
+	    --vocab-from $(DRAFT_RUN5)/draft --resume
 	mkdir -p models/drafts/smollm2-135m-instruct-dflash
-	cp $(DRAFT_RUN5)/draft/* models/drafts/smollm2-135m-instruct-dflash/
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN6)/draft $(DRAFT_RUN5)/draft --weight 0.5 \
+	    --out models/drafts/smollm2-135m-instruct-dflash
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
 # image size and start-to-healthy seconds (starts Docker if needed, which takes root).

@@ -45,8 +45,9 @@ STEP_MS = [15.0, 15.2, 15.3, 15.5, 15.7, 16.0, 17.2, 18.3]  # verifying k = 0..7
 DRAFT_MS = 2.5
 
 
-def record(data: Path, out: Path, draft_dir: Path, model: str, taps: list[int]) -> None:
-    import torch
+def load_draft(draft_dir: Path, model: str):
+    """A saved draft in eval mode and the target's frozen embedding and LM head restricted to
+    the draft's vocabulary (``train_dflash.Frozen``), as the dense evaluations take them."""
     import train_dflash as td
     from models.dflash import iter_draft_weights
     from models.dflash2 import build_draft, draft_config
@@ -56,7 +57,15 @@ def record(data: Path, out: Path, draft_dir: Path, model: str, taps: list[int]) 
     draft = build_draft(draft_config(load_hf_config(draft_dir)), frozen.embed.shape[0])
     draft.load_weights(iter_draft_weights(draft_dir))
     draft.eval()
-    frozen = frozen.restrict(draft.draft_token_ids)
+    ids = draft.draft_token_ids
+    return draft, (frozen if ids is None else frozen.restrict(ids))
+
+
+def record(data: Path, out: Path, draft_dir: Path, model: str, taps: list[int]) -> None:
+    import torch
+    import train_dflash as td
+
+    draft, frozen = load_draft(draft_dir, model)
     traces = []
     with torch.no_grad():
         for seq in td.load_sequences(data, taps):

@@ -245,6 +245,45 @@ def selector_terms(
     return ce, present, pick
 
 
+def block_inputs(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the first block pass at ``anchors`` sees, as served: the context features, the block
+    embeddings ``[N, B, H]`` (the anchor's token, then MASK), their positions ``[N*B]``, the
+    attention mask, and the labels of the drafted slots ``[N, B-1]`` (-100 past the end)."""
+    b = draft.config.block_size
+    emb = draft.mask_embedding.expand(len(anchors), b, -1).clone()
+    emb[:, 0] = frozen.embed[seq.ids[torch.tensor(anchors)]]
+    pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).reshape(-1)
+    mask = block_mask(seq.ids.shape[0], anchors, b)
+    return seq.features(), emb, pos, mask, block_labels(seq.ids, anchors, b)[:, 1:]
+
+
+@torch.no_grad()
+def slot_ranks(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, chunk: int = 64
+               ) -> torch.Tensor:
+    """``[A, B-1]``: for a block anchored at every response position but the last, the rank of
+    the target's token among the draft's scores at each slot (0: the draft's greedy choice),
+    from one block pass of a DFlash draft. A token past the end or outside the draft vocabulary
+    ranks ``frozen.head.shape[0]`` (never proposed). The input of tree simulations."""
+    b = draft.config.block_size
+    anchors = list(range(seq.prompt_len, seq.ids.shape[0] - 1))
+    never = frozen.head.shape[0]
+    out = []
+    for i in range(0, len(anchors), chunk):
+        part = anchors[i : i + chunk]
+        feats, emb, pos, mask, lab = block_inputs(draft, frozen, seq, part)
+        h = dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask, block_len=b)
+        scores = (h.view(len(part), b, -1)[:, 1:].to(frozen.head.dtype) @ frozen.head.t()).float()
+        target = lab.clamp_min(0)
+        if frozen.vocab_ids is not None:
+            target = frozen.t2d[target]
+        known = (lab != -100) & (target >= 0)
+        mine = scores.gather(-1, target.clamp_min(0)[..., None])
+        ranks = (scores > mine).sum(-1)
+        out.append(torch.where(known, ranks, torch.full_like(ranks, never)))
+    return torch.cat(out)
+
+
 def sequence_loss(
     draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors: list[int], gamma: float,
     selector_weight: float = 1.0, teacher: Teacher | None = None, distill: float = 0.0,
@@ -259,15 +298,7 @@ def sequence_loss(
     DFlash2 drafts add ``selector_weight`` times the selector's weighted cross-entropy (see
     ``selector_terms``), and their predictions are the selector's greedy picks, as served."""
     b = draft.config.block_size
-    s = seq.ids.shape[0]
-    feats = seq.features()
-    mask = block_mask(s, anchors, b)
-    labels = block_labels(seq.ids, anchors, b)  # [N, B]
-    block_ids = seq.ids[torch.tensor(anchors)]  # anchor tokens
-    emb = draft.mask_embedding.expand(len(anchors), b, -1).clone()
-    emb[:, 0] = frozen.embed[block_ids]
-    pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).reshape(-1)
-    lab = labels[:, 1:]
+    feats, emb, pos, mask, lab = block_inputs(draft, frozen, seq, anchors)
     valid = lab != -100
     # the position before each valid slot: slot k of anchor a predicts token a + k from a+k-1
     before = (torch.tensor(anchors)[:, None] + torch.arange(b - 1)[None, :])[valid]

@@ -675,3 +675,32 @@ def test_served_walk_steps_from_the_first_response_token_by_correct_prefix_plus_
     assert train.served_walk(None, None, seq, chunk=64) == (10, 4)
     short = train.Sequence(ids=torch.arange(4), feats=torch.zeros(4, 2), prompt_len=3)
     assert train.served_walk(None, None, short) == (0, 0)  # the prefill made the only token
+
+
+@pytest.mark.parametrize("reduced", [False, True])
+def test_slot_ranks_are_zero_exactly_where_the_greedy_draft_is_right(tmp_path, reduced):
+    """Rank 0 at a slot is a hit of the training loss's greedy prediction; a label past the end
+    or outside the draft vocabulary ranks past every scored token; other ranks count the
+    scores strictly above the label's."""
+    draft, frozen, seqs = _tiny_setup(tmp_path)
+    if reduced:
+        vocab = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 20])  # label 9 is outside
+        frozen = frozen.restrict(vocab)
+    seq = seqs[0]
+    ranks = train.slot_ranks(draft, frozen, seq, chunk=5)
+    anchors = list(range(seq.prompt_len, seq.ids.shape[0] - 1))
+    assert ranks.shape == (len(anchors), draft.config.block_size - 1)
+    hits = train.sequence_loss(draft, frozen, seq, anchors, 1.0)[3]
+    assert torch.equal(ranks == 0, hits.bool())
+    never = frozen.head.shape[0]
+    assert (ranks[-1, 1:] == never).all()  # the last anchor has one label left
+    if reduced:
+        labels = train.block_labels(seq.ids, anchors, draft.config.block_size)[:, 1:]
+        assert (ranks[labels == 9] == never).all() and (labels == 9).any()
+    feats, emb, pos, mask, lab = train.block_inputs(draft, frozen, seq, anchors[:3])
+    h = train.dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask)
+    scores = (h.view(3, draft.config.block_size, -1)[:, 1:] @ frozen.head.t()).float()
+    i, j = 2, 1
+    label = int(lab[i, j]) if frozen.t2d is None else int(frozen.t2d[lab[i, j]])
+    if label >= 0:
+        assert ranks[i, j] == int((scores[i, j] > scores[i, j, label]).sum())

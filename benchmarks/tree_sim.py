@@ -1,0 +1,144 @@
+"""What verifying a tree of drafted tokens would buy over a chain: a simulation on stored answers.
+
+A DFlash block pass scores every slot at once from MASK inputs, so besides its greedy chain it
+offers, at each slot, a ranked list of alternatives that do not depend on what the slots
+before it hold. A tree verified in one target pass (one query row per node, each seeing its
+ancestors) accepts the longest path whose tokens match the target's. This script measures,
+for every response position of stored sequences (``scripts/dflash_data.py`` folders: the
+target's greedy answers with tapped features), the rank of the target's token at each slot
+(``train_dflash.slot_ranks``), then walks each sequence as a server would (greedy, one
+stream): a chain of K accepts the leading slots of rank 0; a tree, a set of rank paths such as
+``(0,)``, ``(1,)``, ``(0, 0)``, accepts the deepest path that is a prefix of the target's
+ranks. Trees of n nodes are built from the most frequent rank prefixes of the first half of
+the sequences (``--fit-fraction``) and measured on the rest, as are the chains.
+
+Speed against no speculation is ``acceptance * step(0) / (step(n) + draft)``, from one-row
+step costs by verified rows (``replay_policy.STEP_MS``, measured; beyond its last entry each
+row adds ``--row-ms``, an assumption). It is what trees would buy if built; the engine
+verifies chains only.
+
+    python benchmarks/tree_sim.py DATA_DIR [--draft DRAFT] [--nodes 2 4 8 16 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchmarks.replay_policy import DRAFT_MS, STEP_MS, load_draft  # noqa: E402
+
+Path_ = tuple[int, ...]
+
+
+def chain_accepts(ranks: list[int], k: int) -> int:
+    """Drafted tokens a chain of ``k`` greedy slots gets accepted."""
+    a = 0
+    while a < k and ranks[a] == 0:
+        a += 1
+    return a
+
+
+def tree_accepts(ranks: list[int], tree: set[Path_]) -> int:
+    """Depth of the deepest tree path that matches the target's ranks."""
+    a = 0
+    while a < len(ranks) and tuple(ranks[: a + 1]) in tree:
+        a += 1
+    return a
+
+
+def walk(seqs: list[list[list[int]]], accepts) -> float:
+    """Served mean acceptance length (bonus token included): each sequence's walk starts at its
+    first response token and moves by the accepted drafts plus one."""
+    tokens = steps = 0
+    for ranks in seqs:
+        p = 0
+        while p < len(ranks):
+            gained = accepts(ranks[p]) + 1
+            tokens, steps, p = tokens + gained, steps + 1, p + gained
+    return tokens / max(1, steps)
+
+
+def frequency_tree(seqs: list[list[list[int]]], nodes: int, max_rank: int = 8) -> set[Path_]:
+    """The ``nodes`` rank paths that most often prefix the target's ranks (ties: shallower
+    first, then lower ranks); every path's parent is in the tree, since a prefix is at least
+    as frequent as the paths under it."""
+    counts: Counter[Path_] = Counter()
+    for ranks in seqs:
+        for row in ranks:
+            for d in range(1, len(row) + 1):
+                if row[d - 1] >= max_rank:
+                    break
+                counts[tuple(row[:d])] += 1
+    tree: set[Path_] = set()
+    for path, _ in sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0])):
+        if len(tree) == nodes:
+            break
+        if len(path) == 1 or path[:-1] in tree:
+            tree.add(path)
+    return tree
+
+
+def step_ms(rows: int, costs: list[float], row_ms: float) -> float:
+    return costs[rows] if rows < len(costs) else costs[-1] + row_ms * (rows - len(costs) + 1)
+
+
+def simulate(seqs: list[list[list[int]]], nodes: list[int], fit_fraction: float,
+             costs: list[float], draft_ms: float, row_ms: float) -> list[dict]:
+    cut = int(len(seqs) * fit_fraction)
+    fit, held = seqs[:cut], seqs[cut:]
+    if not fit or not held:
+        raise ValueError(f"{len(seqs)} sequences: too few to fit on {fit_fraction:.0%} and "
+                         "measure on the rest")
+    block = len(held[0][0])
+    rows = []
+    for k in range(1, block + 1):
+        rows.append({"kind": f"chain K={k}", "rows": k,
+                     "accept": walk(held, lambda r, k=k: chain_accepts(r, k))})
+    for n in nodes:
+        tree = frequency_tree(fit, n)
+        rows.append({"kind": f"tree, {n} nodes, depth {max(map(len, tree))}", "rows": n,
+                     "accept": walk(held, lambda r, t=tree: tree_accepts(r, t))})
+    for r in rows:
+        r["speed"] = r["accept"] * costs[0] / (step_ms(r["rows"], costs, row_ms) + draft_ms)
+    return rows
+
+
+def measure_ranks(data: Path, draft_dir: Path, model: str, taps: list[int]) -> list[list[list[int]]]:
+    import train_dflash as td
+
+    draft, frozen = load_draft(draft_dir, model)
+    return [td.slot_ranks(draft, frozen, seq).tolist() for seq in td.load_sequences(data, taps)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", type=Path, help="draft-data folder with features")
+    p.add_argument("--draft", type=Path, default=ROOT / "models" / "drafts" / "smollm2-135m-instruct-dflash")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--taps", type=int, nargs="+", default=[1, 14, 27])
+    p.add_argument("--nodes", type=int, nargs="+", default=[2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64])
+    p.add_argument("--fit-fraction", type=float, default=0.5)
+    p.add_argument("--step-ms", type=float, nargs="+", default=STEP_MS,
+                   help="one-row step ms verifying 0, 1, 2, ... drafted tokens")
+    p.add_argument("--draft-ms", type=float, default=DRAFT_MS)
+    p.add_argument("--row-ms", type=float, default=STEP_MS[-1] - STEP_MS[-2],
+                   help="ms each verified row adds past the last --step-ms entry (assumed)")
+    args = p.parse_args(argv)
+    seqs = [s for s in measure_ranks(args.data, args.draft, args.model, args.taps) if s]
+    rows = simulate(seqs, args.nodes, args.fit_fraction, args.step_ms, args.draft_ms, args.row_ms)
+    cut = int(len(seqs) * args.fit_fraction)
+    print(f"{args.data}: trees fitted on {cut} sequences, measured on {len(seqs) - cut}")
+    print("| drafted tokens verified | rows | mean acceptance length | speed vs none |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['rows']} | {r['accept']:.3f} | {r['speed']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

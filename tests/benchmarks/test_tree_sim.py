@@ -1,0 +1,48 @@
+"""The tree simulation: acceptance of chains and trees on known ranks, the frequency tree, and
+its speed arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import tree_sim as ts
+
+
+def test_chain_and_tree_accept_the_matching_prefix():
+    ranks = [0, 1, 0, 0]
+    assert ts.chain_accepts(ranks, 4) == 1 and ts.chain_accepts(ranks, 0) == 0
+    assert ts.tree_accepts(ranks, {(0,), (0, 0)}) == 1
+    assert ts.tree_accepts(ranks, {(0,), (0, 1), (0, 1, 0)}) == 3
+    assert ts.tree_accepts(ranks, {(1,), (1, 1)}) == 0
+
+
+def test_walk_moves_by_accepted_plus_one_from_the_first_response_token():
+    # accepted drafts per position with a chain of 3: 2, x, x, 0, 3, x, x, x, 1, x
+    ranks = [[0, 0, 1], [9, 9, 9], [9, 9, 9], [1, 0, 0], [0, 0, 0],
+             [9, 9, 9], [9, 9, 9], [9, 9, 9], [0, 2, 0], [9, 9, 9]]
+    # 0 (+3) -> 3 (+1) -> 4 (+4) -> 8 (+2) -> 10: 10 tokens in 4 steps
+    assert ts.walk([ranks], lambda r: ts.chain_accepts(r, 3)) == pytest.approx(10 / 4)
+
+
+def test_frequency_tree_takes_the_commonest_prefixes_and_keeps_parents():
+    seqs = [[[0, 0, 5], [0, 0, 5], [0, 1, 5], [1, 0, 5], [1, 0, 5], [2, 5, 5]]]
+    # counts: (0,) 3, (1,) 2, (0,0) 2, (1,0) 2, (0,1) 1, (2,) 1, (0,0,5)... never (5 >= max_rank)
+    assert ts.frequency_tree(seqs, 1, max_rank=5) == {(0,)}
+    assert ts.frequency_tree(seqs, 3, max_rank=5) == {(0,), (1,), (0, 0)}
+    tree = ts.frequency_tree(seqs, 6, max_rank=5)
+    assert tree == {(0,), (1,), (0, 0), (1, 0), (0, 1), (2,)}
+    assert all(len(p) == 1 or p[:-1] in tree for p in tree)
+
+
+def test_simulate_prices_rows_and_extrapolates_past_the_measured_costs():
+    seqs = [[[0, 0, 0]] * 8, [[1, 0, 0]] * 8]
+    costs = [10.0, 10.0, 11.0, 12.0]
+    rows = {r["kind"]: r for r in ts.simulate(seqs, [2], 0.5, costs, draft_ms=2.0, row_ms=1.0)}
+    # measured on the second sequence only, whose slot 1 is always rank 1: chains gain nothing
+    assert rows["chain K=3"]["accept"] == 1.0
+    assert rows["chain K=3"]["speed"] == pytest.approx(10.0 / 14.0)
+    # fitted on the first: the tree is (0,), (0, 0), missing the rank-1 path too
+    assert rows["tree, 2 nodes, depth 2"]["accept"] == 1.0
+    assert ts.step_ms(5, costs, 1.0) == 14.0 and ts.step_ms(3, costs, 1.0) == 12.0
+    with pytest.raises(ValueError, match="too few"):
+        ts.simulate(seqs[:1], [2], 0.5, costs, 2.0, 1.0)
