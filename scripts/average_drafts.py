@@ -1,8 +1,9 @@
 """Average two saved drafts of the same shape: ``OUT = w * A + (1 - w) * B``, weight by weight.
 
 A continued run learns its new data and forgets some of what the draft it started from knew;
-the average of the two keeps more of both (stage 6 of the default draft: better than either
-alone on three of four held-out sets, see its model card). Floating-point tensors
+the average of the two keeps more of both (stage 6 of the default draft: better than the draft
+it started from on all four held-out sets, and than the continued run on two, level on the
+other two; see its model card). Floating-point tensors
 (``model.safetensors`` and ``mask_embedding.safetensors``) are averaged in float32 and stored in
 A's dtype; integer tensors (the reduced vocabulary's ``d2t``) must be equal, as must
 ``config.json``, which is copied from A.

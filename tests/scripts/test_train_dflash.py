@@ -700,7 +700,11 @@ def test_slot_ranks_are_zero_exactly_where_the_greedy_draft_is_right(tmp_path, r
     feats, emb, pos, mask, lab = train.block_inputs(draft, frozen, seq, anchors[:3])
     h = train.dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask)
     scores = (h.view(3, draft.config.block_size, -1)[:, 1:] @ frozen.head.t()).float()
-    i, j = 2, 1
-    label = int(lab[i, j]) if frozen.t2d is None else int(frozen.t2d[lab[i, j]])
-    if label >= 0:
-        assert ranks[i, j] == int((scores[i, j] > scores[i, j, label]).sum())
+    target = lab if frozen.t2d is None else frozen.t2d[lab]
+    checked = 0
+    for i in range(3):
+        for j in range(draft.config.block_size - 1):
+            if lab[i, j] != -100 and target[i, j] >= 0:
+                assert ranks[i, j] == int((scores[i, j] > scores[i, j, target[i, j]]).sum())
+                checked += 1
+    assert checked >= 6 and (ranks[:3] > 0).any()  # most of the 9 slots, some misses among them
