@@ -5,6 +5,7 @@ proposes the drafts the eager one proposes."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -43,6 +44,16 @@ def _generate(llm: LLM, prompts, max_tokens):
     return token_ids(out), drafts, seen
 
 
+def _pin_step_costs(llm: LLM, cost) -> None:
+    """Give the adaptive controller a fixed copy of ``cost`` and stop it learning from step
+    times: two engines measure their steps differently, and the comparison is of the passes,
+    not of the machine's timing (with measured feedback the two controllers stopped drafting
+    on different steps now and then)."""
+    ctl = llm.engine.scheduler.controller
+    ctl.cost = copy.deepcopy(cost)
+    ctl.observe_step = lambda *args, **kwargs: None
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_static_passes_equal_plain_greedy(qwen3_target, draft_dir, baseline_cache, adaptive):
     prompts = random_prompts([5, 30, 12, 70, 3])
@@ -54,10 +65,14 @@ def test_static_passes_equal_plain_greedy(qwen3_target, draft_dir, baseline_cach
         dataclasses.replace(eager.engine_config, graphs=GraphConfig(SIZES, False)))
     assert eager.engine.runner.graphs is None and eager.engine.proposer._graphs is None
     assert static.engine.proposer._graphs.q_len == 4  # blocks of K + 1 = 4 queries
+    if adaptive:
+        cost = eager.engine.scheduler.controller.cost
+        _pin_step_costs(eager, cost)
+        _pin_step_costs(static, cost)
     tokens, drafts, seen = _generate(static, prompts, max_tokens)
     eager_tokens, eager_drafts, _ = _generate(eager, prompts, max_tokens)
     assert tokens == plain == eager_tokens
-    assert drafts == eager_drafts
+    assert drafts == eager_drafts and any(drafts)  # adaptive: at least its probes draft
     assert set(seen["draft"]) <= {4} and len(seen["draft"]) == sum(map(bool, drafts))
     if not adaptive:  # every step drafts and verifies K = 3: windows of 4 rows, padded
         assert sum(map(len, drafts)) > 10
