@@ -9,11 +9,16 @@ microseconds beyond the kernel. It links the ``onednn-cpu-gomp`` wheel's
 library (oneDNN built with GNU OpenMP: it shares the OpenMP runtime torch loaded, hence its
 thread count) and is built like the attention kernels, on first use or by ``make setup``.
 
-A weight is packed here only when the kernel oneDNN picks gives every row the same bits
-whatever the row count (its brgemm kernels do; its gemm fallback, e.g. float32 on an AVX2 CPU
-with this oneDNN, does not): then one row needs no padding (``layers.linear``). Everywhere else
-:func:`pack` returns ``None`` and the caller keeps PyTorch's packed path. ``SPECSERVE_ONEDNN=0``
-turns this path off (for side-by-side measurements).
+A weight is packed here only when oneDNN's kernels give every row the same bits whatever the
+row count within a range that this module measures per weight shape (:func:`row_range`); calls
+outside it are padded up to it or split into calls within it (``onednn_linear.cpp``), so the
+product is row-count invariant everywhere and one row needs no padding (``layers.linear``).
+Without AMX the brgemm kernels are invariant at every count measured; with AMX, oneDNN runs one
+or two rows of some shapes on AVX-512 kernels and some counts from about 150 rows on with
+another blocking, each rounding differently. Where no range holds (the gemm fallback, e.g.
+float32 on an AVX2 CPU with this oneDNN), :func:`pack` returns ``None`` and the caller keeps
+PyTorch's packed path. ``SPECSERVE_ONEDNN=0`` turns this path off (for side-by-side
+measurements).
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "onednn_linear.cpp"]
 _BUILD = Path(os.environ.get("SPECSERVE_ONEDNN_BUILD_DIR") or _CSRC / "build")
-PROBE_ROWS = 8  # row counts 1..PROBE_ROWS are compared when a weight shape is first packed
+MAX_CALL_ROWS = 128  # a product's rows go to oneDNN in calls of at most this many (if invariant)
+PROBE_OFFSET = 5  # the probe also compares windows starting at this row
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None, "probed": {}}
 
@@ -105,10 +111,10 @@ class DirectPacked:
 
 def pack(weight: torch.Tensor) -> DirectPacked | None:
     """``weight`` packed for the direct path, or ``None`` where it does not serve: disabled, not
-    built, not a CPU float32/bfloat16 weight, no oneDNN kernel for it on this CPU, or a kernel
-    whose rows may depend on the row count. Checked once per shape and dtype: oneDNN must pick
-    a brgemm kernel (one inner loop for every row count) for 1, 2, :data:`PROBE_ROWS` and 64
-    rows, and rows 1..:data:`PROBE_ROWS` of random inputs must come out bitwise the same."""
+    built, not a CPU float32/bfloat16 weight, no oneDNN kernel for it on this CPU, or kernels
+    whose rows depend on the row count (:func:`row_range` finds no range). Probed once per
+    shape and dtype: oneDNN must pick brgemm kernels (one inner loop for every row count) for
+    1, 2, 8 and 64 rows, and the bits must hold over a range of row counts."""
     if not enabled() or weight.device.type != "cpu" or \
             weight.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -121,24 +127,57 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
     try:
         op = mod.PackedLinear(weight.detach())
         if key not in _state["probed"]:
-            kernels = sorted({op.impl(rows) for rows in (1, 2, PROBE_ROWS, 64)})
-            ok = all(k.startswith("brg") for k in kernels)
-            if ok:
-                gen = torch.Generator().manual_seed(0)
-                x = torch.randn(PROBE_ROWS, weight.shape[1], generator=gen).to(weight.dtype)
-                ok = mod.rows_invariant(op, x)
-            _state["probed"][key] = ok
-            if not ok:
-                log.info("oneDNN kernels %s for %s %s may round a row differently by row count; "
+            kernels = sorted({op.impl(rows) for rows in (1, 2, 8, 64)})
+            found = row_range(op, weight.dtype) if all(k.startswith("brg") for k in kernels) \
+                else None
+            _state["probed"][key] = found or False
+            if found is None:
+                log.info("oneDNN kernels %s for %s %s round a row differently by row count; "
                          "PyTorch's packed path serves", kernels, list(weight.shape),
                          weight.dtype)
                 return None
+            if found != (1, MAX_CALL_ROWS):
+                log.info("oneDNN products %s %s in calls of %d..%d rows (kernels %s)",
+                         list(weight.shape), weight.dtype, *found, kernels)
     except RuntimeError as exc:  # oneDNN has no kernel for this dtype on this CPU
         _state["probed"][key] = False
         log.info("no oneDNN matmul for %s %s here (%s); PyTorch's packed path serves",
                  list(weight.shape), weight.dtype, exc)
         return None
+    op.set_row_range(*_state["probed"][key])
     return DirectPacked(op, weight.dtype)
+
+
+def probe_counts(hi: int) -> list[int]:
+    """The row counts below ``hi`` that :func:`row_range` compares: every count to 32 (where
+    the kernels change with AMX: one or two rows), then a sample (a full sweep of a 49152-row
+    head took 1.8 s with AMX)."""
+    return [n for n in [*range(1, 33), 40, 48, 56, 63, 64, 65, 80, 96, 100, 112, 127] if n < hi]
+
+
+def row_range(op, dtype: torch.dtype) -> tuple[int, int] | None:
+    """``(lo, hi)``: calls of ``lo..hi`` rows give each row the same bits, measured on
+    heavy-tailed random rows (as a model's activations are) against one call of ``hi`` rows, at
+    the counts :func:`probe_counts` lists, and a call of ``hi`` rows starting
+    :data:`PROBE_OFFSET` rows later gives the shared rows the same bits; ``hi`` is
+    :data:`MAX_CALL_ROWS` or the largest half of it that holds with ``hi >= 2 * lo``. ``None``:
+    no such range (a kernel that is not invariant at all)."""
+    gen = torch.Generator().manual_seed(0)
+    width = op.in_features
+    x = (torch.randn(MAX_CALL_ROWS + PROBE_OFFSET, width, generator=gen)
+         * torch.rand(MAX_CALL_ROWS + PROBE_OFFSET, width, generator=gen).pow(4) * 8).to(dtype)
+    hi = MAX_CALL_ROWS
+    with torch.inference_mode():
+        while hi >= 2:
+            ref = op.forward(x[:hi])
+            shifted = op.forward(x[PROBE_OFFSET:PROBE_OFFSET + hi])
+            bad = [rows for rows in probe_counts(hi)
+                   if not torch.equal(op.forward(x[:rows]), ref[:rows])]
+            lo = max(bad, default=0) + 1
+            if torch.equal(shifted[:hi - PROBE_OFFSET], ref[PROBE_OFFSET:]) and 2 * lo <= hi:
+                return lo, hi
+            hi //= 2
+    return None
 
 
 if __name__ == "__main__":  # make setup: build once, loudly

@@ -12,9 +12,10 @@
 // new row counts all the time, and an unbounded cache grows without end.
 //
 // Row invariance (a row's bits do not depend on how many rows the product has) is a property
-// of the kernel oneDNN picks, not of this code; ``rows_invariant`` lets the caller probe it and
-// ``impl`` names the kernel (brgemm kernels give the same bits for every row count; the gemm
-// fallback used where brgemm is missing does not).
+// of the kernel oneDNN picks, not of this code: ``impl`` names the kernel (the gemm fallback
+// used where brgemm is missing is not invariant), the caller probes the bits and sets the range
+// of row counts a call may have (``set_row_range``: with AMX, oneDNN runs one or two rows on
+// AVX-512 kernels and some large counts with another blocking, each rounding differently).
 
 #include <torch/extension.h>
 
@@ -147,19 +148,41 @@ class PackedLinear {
                   " elements, the weight ", out_, " outputs");
       b = bias->to(dtype_).contiguous();
     }
-    const auto held = entry(rows, b.defined());  // kept alive through the call
-    const Entry& e = *held;
-    auto& engine = cpu_engine();
-    std::unordered_map<int, memory> args{
-        {DNNL_ARG_SRC, memory(e.src, engine, x2.data_ptr())},
-        {DNNL_ARG_WEIGHTS, memory(packed_desc_, engine, packed_.data_ptr())},
-        {DNNL_ARG_DST, memory(e.dst, engine, y.data_ptr())}};
-    if (b.defined()) args.emplace(DNNL_ARG_BIAS, memory(e.bias, engine, b.data_ptr()));
-    thread_local dnnl::stream stream(engine);  // one per thread, not one per call
-    e.matmul.execute(stream, args);
-    stream.wait();
+    auto y2 = y.view({rows, out_});
+    if (rows < min_rows_) {  // padded with copies of the first row
+      auto padded = torch::cat({x2, x2.narrow(0, 0, 1).expand({min_rows_ - rows, in_})});
+      auto out = torch::empty({min_rows_, out_}, x.options());
+      run(padded, out, b);
+      y2.copy_(out.narrow(0, 0, rows));
+      return y;
+    }
+    // calls of min_rows_..max_rows_ rows; the last two share what would leave a short tail
+    int64_t start = 0;
+    while (start < rows) {
+      int64_t n = rows - start;
+      if (max_rows_ > 0 && n > max_rows_) {
+        n = max_rows_;
+        if (rows - start - n < min_rows_) n = rows - start - min_rows_;
+      }
+      auto out = y2.narrow(0, start, n);
+      run(x2.narrow(0, start, n), out, b);
+      start += n;
+    }
     return y;
   }
+
+  // Calls of fewer than ``min_rows`` rows are padded to it, calls of more than ``max_rows``
+  // (0: no limit) are split; the caller has measured that every count in between gives a row
+  // the same bits (``models/onednn.py``).
+  void set_row_range(int64_t min_rows, int64_t max_rows) {
+    TORCH_CHECK(min_rows >= 1 && (max_rows == 0 || max_rows >= 2 * min_rows),
+                "onednn_linear: row range needs 1 <= min_rows and max_rows >= 2 * min_rows, got ",
+                min_rows, "..", max_rows);
+    min_rows_ = min_rows;
+    max_rows_ = max_rows;
+  }
+  int64_t min_rows() const { return min_rows_; }
+  int64_t max_rows() const { return max_rows_; }
 
   // The kernel oneDNN runs for ``rows`` rows (e.g. "brg:avx512_core_bf16", "gemm:jit:f32").
   std::string impl(int64_t rows) { return entry(rows, false)->impl; }
@@ -170,6 +193,21 @@ class PackedLinear {
   int64_t nbytes() const { return packed_.numel(); }
 
  private:
+  // One primitive call: contiguous rows ``src`` [n, in] into ``dst`` [n, out].
+  void run(const torch::Tensor& src, torch::Tensor& dst, const torch::Tensor& b) {
+    const auto held = entry(src.size(0), b.defined());  // kept alive through the call
+    const Entry& e = *held;
+    auto& engine = cpu_engine();
+    std::unordered_map<int, memory> args{
+        {DNNL_ARG_SRC, memory(e.src, engine, src.data_ptr())},
+        {DNNL_ARG_WEIGHTS, memory(packed_desc_, engine, packed_.data_ptr())},
+        {DNNL_ARG_DST, memory(e.dst, engine, dst.data_ptr())}};
+    if (b.defined()) args.emplace(DNNL_ARG_BIAS, memory(e.bias, engine, b.data_ptr()));
+    thread_local dnnl::stream stream(engine);  // one per thread, not one per call
+    e.matmul.execute(stream, args);
+    stream.wait();
+  }
+
   std::shared_ptr<const Entry> entry(int64_t rows, bool with_bias) {
     const auto dt = dnnl_type(dtype_);
     const std::string key = std::to_string(rows) + key_ + (with_bias ? "/b" : "/-");
@@ -189,21 +227,11 @@ class PackedLinear {
 
   at::ScalarType dtype_;
   int64_t out_, in_;
+  int64_t min_rows_ = 1, max_rows_ = 0;
   memory::desc packed_desc_;
   std::string key_;  // "/in/out/dtype": this weight's part of its primitives' cache keys
   torch::Tensor packed_;  // the reordered weight's bytes
 };
-
-// Whether the product's rows come out bitwise the same for 1..max_rows rows: ``x`` holds
-// max_rows rows; every prefix is multiplied and compared with the full product's rows.
-bool rows_invariant(PackedLinear& lin, const torch::Tensor& x) {
-  auto full = lin.forward(x, c10::nullopt);
-  for (int64_t rows = 1; rows < x.size(0); ++rows) {
-    auto part = lin.forward(x.narrow(0, 0, rows), c10::nullopt);
-    if (!torch::equal(part, full.narrow(0, 0, rows))) return false;
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -213,13 +241,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &PackedLinear::forward, pybind11::arg("x"),
            pybind11::arg("bias") = pybind11::none())
       .def("impl", &PackedLinear::impl, pybind11::arg("rows"))
+      .def("set_row_range", &PackedLinear::set_row_range, pybind11::arg("min_rows"),
+           pybind11::arg("max_rows"))
+      .def_property_readonly("min_rows", &PackedLinear::min_rows)
+      .def_property_readonly("max_rows", &PackedLinear::max_rows)
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features)
       .def_property_readonly("nbytes", &PackedLinear::nbytes)
       .def_property_readonly("is_bfloat16", [](const PackedLinear& p) {
         return p.dtype() == at::kBFloat16;
       });
-  m.def("rows_invariant", &rows_invariant, "Row results equal for every row count up to x's");
   m.def("cache_size", []() { return primitive_cache().size(); }, "primitives cached now");
   m.def("cache_capacity", []() { return primitive_cache().capacity(); });
   m.def("version", []() {

@@ -54,13 +54,38 @@ def test_rows_do_not_depend_on_the_row_count_from_one_row_on(dtype):
     x, w = _activations(dtype, rows=300)
     packed = _direct_or_skip(w)
     full = packed(x)
-    for m in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 128, 257):
+    # with AMX, single calls of 150, 182 or 200 rows of this shape rounded some rows differently
+    for m in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 128, 129, 150, 182, 200, 257):
         for start in (0, 7, 300 - m):
             got = linear(x[start:start + m], None, packed=packed, min_rows=1)
             assert torch.equal(got, full[start:start + m]), (m, start)
     bias = torch.randn(576).to(dtype)
     with_bias = packed(x, bias)
     assert all(torch.equal(packed(x[i:i + 1], bias)[0], with_bias[i]) for i in (0, 150, 299))
+
+
+def test_a_wide_product_is_held_to_its_measured_row_range():
+    """With AMX, oneDNN runs 1-12 rows of an [8192, 576] bf16 product on AVX-512 kernels and
+    more on AMX (different bits): such calls are padded up to the measured range."""
+    x, w = _activations(torch.bfloat16, rows=300, width=576, out=8192)
+    packed = _direct_or_skip(w)
+    lo, hi = packed.op.min_rows, packed.op.max_rows
+    assert 1 <= lo and hi >= 2 * lo
+    full = packed(x)
+    if lo > 1:  # the range is there for a reason: unpadded, fewer rows round differently
+        raw = onednn.load().PackedLinear(w)
+        assert not torch.equal(raw.forward(x[:lo - 1]), full[:lo - 1])
+    for m in (*range(1, 20), 64, 127, 128, 129, 128 + lo - 1, 200, 299):
+        start = 300 - m if m % 2 else 0
+        assert torch.equal(packed(x[start:start + m]), full[start:start + m]), (m, lo, hi)
+
+
+def test_a_row_range_must_leave_room_for_splitting():
+    _, w = _activations(torch.float32, rows=1)
+    packed = _direct_or_skip(w)
+    for lo, hi in ((0, 8), (5, 8)):
+        with pytest.raises(RuntimeError, match="row range"):
+            packed.op.set_row_range(lo, hi)
 
 
 @pytest.mark.parametrize("min_rows", DIRECT_PAD_CHOICES)
@@ -103,6 +128,9 @@ def test_pack_weight_and_the_linear_module_take_the_direct_path():
 
 def test_a_torch_packed_weight_is_still_padded_to_two_rows(monkeypatch):
     """``min_rows=1`` is for direct products only: PyTorch's one-row kernel rounds differently."""
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("with AMX, PyTorch's bf16 products are not row-count invariant from two rows "
+                    "on either (tests/models/test_linear_rows.py): the direct path serves")
     x, w = _activations(torch.bfloat16, rows=80)
     monkeypatch.setenv("SPECSERVE_ONEDNN", "0")
     packed = pack_weight(w)
@@ -163,12 +191,12 @@ def test_primitives_are_shared_by_shape_and_their_cache_is_bounded():
         "ws = [torch.randn(48, 32) for _ in range(6)]\n"
         "ps = [onednn.pack(w) for w in ws]\n"
         "base = mod.cache_size()\n"
-        "x = torch.randn(11, 32)  # a row count the probe did not use\n"
+        "x = torch.randn(71, 32)  # a row count the probe did not use\n"
         "outs = [p(x) for p in ps]\n"
         "shared = mod.cache_size() - base\n"
         "ok = all(torch.allclose(o, x @ w.T, atol=1e-4) for o, w in zip(outs, ws))\n"
-        "for rows in range(1, 40):\n"
+        "for rows in range(1, 128):\n"
         "    ps[0](torch.randn(rows, 32))\n"
         "print(shared, ok, mod.cache_size(), mod.cache_capacity())\n",
-        SPECSERVE_ONEDNN_CACHE="16")
-    assert out.split() == ["1", "True", "16", "16"]
+        SPECSERVE_ONEDNN_CACHE="64")  # above the ~50 row counts the probe leaves cached
+    assert out.split() == ["1", "True", "64", "64"]
