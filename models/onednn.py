@@ -10,9 +10,12 @@ library (oneDNN built with GNU OpenMP: it shares the OpenMP runtime torch loaded
 thread count) and is built like the attention kernels, on first use or by ``make setup``.
 
 A weight is packed here only when oneDNN's kernels give every row the same bits whatever the
-row count within a range that this module measures per weight shape (:func:`row_range`); calls
-outside it are padded up to it or split into calls within it (``onednn_linear.cpp``), so the
-product is row-count invariant everywhere and one row needs no padding (``layers.linear``).
+row count among the counts a call may run as, measured per weight shape (:func:`row_range`):
+calls are padded up to that range and to a few fixed counts within it, or split into such
+calls (``onednn_linear.cpp``), so the product is row-count invariant everywhere, one row needs
+no padding (``layers.linear``), and each weight shape has at most ~40 primitives, all made by
+the probe (a new row count's primitive took about 1 ms to make: a prefill chunk or a draft's
+context catch-up of an odd length paid it on the spot).
 Without AMX the brgemm kernels are invariant at every count measured; with AMX, oneDNN runs one
 or two rows of some shapes on AVX-512 kernels and some counts from about 150 rows on with
 another blocking, each rounding differently. Where no range holds (the gemm fallback, e.g.
@@ -148,20 +151,22 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
     return DirectPacked(op, weight.dtype)
 
 
-def probe_counts(hi: int) -> list[int]:
-    """The row counts below ``hi`` that :func:`row_range` compares: every count to 32 (where
-    the kernels change with AMX: one or two rows), then a sample (a full sweep of a 49152-row
-    head took 1.8 s with AMX)."""
-    return [n for n in [*range(1, 33), 40, 48, 56, 63, 64, 65, 80, 96, 100, 112, 127] if n < hi]
+def call_counts(mod, hi: int) -> list[int]:
+    """The row counts below ``hi`` that a call may run as once a range ending at ``hi`` is set
+    (``PackedLinear.call_rows``): every count to ``EXACT_ROWS``, then multiples of
+    ``ROW_STEP``. :func:`row_range` compares all of them."""
+    exact, step = mod.EXACT_ROWS, mod.ROW_STEP
+    return [*range(1, min(hi, exact + 1)), *range(exact + step, hi, step)]
 
 
 def row_range(op, dtype: torch.dtype) -> tuple[int, int] | None:
-    """``(lo, hi)``: calls of ``lo..hi`` rows give each row the same bits, measured on
-    heavy-tailed random rows (as a model's activations are) against one call of ``hi`` rows, at
-    the counts :func:`probe_counts` lists, and a call of ``hi`` rows starting
+    """``(lo, hi)``: every row count a call runs as within ``lo..hi`` (:func:`call_counts`)
+    gives each row the same bits as one call of ``hi`` rows, measured on heavy-tailed random
+    rows (as a model's activations are), and a call of ``hi`` rows starting
     :data:`PROBE_OFFSET` rows later gives the shared rows the same bits; ``hi`` is
     :data:`MAX_CALL_ROWS` or the largest half of it that holds with ``hi >= 2 * lo``. ``None``:
     no such range (a kernel that is not invariant at all)."""
+    mod = load()
     gen = torch.Generator().manual_seed(0)
     width = op.in_features
     x = (torch.randn(MAX_CALL_ROWS + PROBE_OFFSET, width, generator=gen)
@@ -171,7 +176,7 @@ def row_range(op, dtype: torch.dtype) -> tuple[int, int] | None:
         while hi >= 2:
             ref = op.forward(x[:hi])
             shifted = op.forward(x[PROBE_OFFSET:PROBE_OFFSET + hi])
-            bad = [rows for rows in probe_counts(hi)
+            bad = [rows for rows in call_counts(mod, hi)
                    if not torch.equal(op.forward(x[:rows]), ref[:rows])]
             lo = max(bad, default=0) + 1
             if torch.equal(shifted[:hi - PROBE_OFFSET], ref[PROBE_OFFSET:]) and 2 * lo <= hi:

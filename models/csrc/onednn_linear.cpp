@@ -102,6 +102,9 @@ PrimitiveCache& primitive_cache() {
 // The row count the weight layout is chosen for: brgemm picks one blocked layout for every row
 // count from 1 on, so any count works; 16 is a typical step.
 constexpr int64_t kLayoutRows = 16;
+// With a row range set, calls of more than kExactRows rows are padded to a multiple of kRowStep.
+constexpr int64_t kExactRows = 32;
+constexpr int64_t kRowStep = 16;
 
 class PackedLinear {
  public:
@@ -149,37 +152,46 @@ class PackedLinear {
       b = bias->to(dtype_).contiguous();
     }
     auto y2 = y.view({rows, out_});
-    if (rows < min_rows_) {  // padded with copies of the first row
-      auto padded = torch::cat({x2, x2.narrow(0, 0, 1).expand({min_rows_ - rows, in_})});
-      auto out = torch::empty({min_rows_, out_}, x.options());
-      run(padded, out, b);
-      y2.copy_(out.narrow(0, 0, rows));
+    if (max_rows_ == 0) {  // no range set: one call of exactly these rows
+      run(x2, y2, b);
       return y;
     }
-    // calls of min_rows_..max_rows_ rows; the last two share what would leave a short tail
-    int64_t start = 0;
-    while (start < rows) {
-      int64_t n = rows - start;
-      if (max_rows_ > 0 && n > max_rows_) {
-        n = max_rows_;
-        if (rows - start - n < min_rows_) n = rows - start - min_rows_;
+    for (int64_t start = 0; start < rows;) {
+      const int64_t n = std::min(rows - start, max_rows_);
+      const int64_t m = call_rows(n);
+      auto part = x2.narrow(0, start, n);
+      if (m == n) {
+        auto out = y2.narrow(0, start, n);
+        run(part, out, b);
+      } else {  // padded with copies of the part's first row
+        auto padded = torch::cat({part, part.narrow(0, 0, 1).expand({m - n, in_})});
+        auto out = torch::empty({m, out_}, x.options());
+        run(padded, out, b);
+        y2.narrow(0, start, n).copy_(out.narrow(0, 0, n));
       }
-      auto out = y2.narrow(0, start, n);
-      run(x2.narrow(0, start, n), out, b);
       start += n;
     }
     return y;
   }
 
-  // Calls of fewer than ``min_rows`` rows are padded to it, calls of more than ``max_rows``
-  // (0: no limit) are split; the caller has measured that every count in between gives a row
-  // the same bits (``models/onednn.py``).
+  // Calls are held to row counts the caller measured to give a row the same bits
+  // (``models/onednn.py``): at least ``min_rows`` (fewer are padded), at most ``max_rows``
+  // (more are split), and above kExactRows a multiple of kRowStep (padded up), so that a
+  // weight runs at most ~40 row counts, each one probed, each primitive made once.
   void set_row_range(int64_t min_rows, int64_t max_rows) {
-    TORCH_CHECK(min_rows >= 1 && (max_rows == 0 || max_rows >= 2 * min_rows),
-                "onednn_linear: row range needs 1 <= min_rows and max_rows >= 2 * min_rows, got ",
-                min_rows, "..", max_rows);
+    TORCH_CHECK(min_rows >= 1 && max_rows >= 2 * min_rows &&
+                    (max_rows <= kExactRows || max_rows % kRowStep == 0),
+                "onednn_linear: row range needs 1 <= min_rows, max_rows >= 2 * min_rows and "
+                "max_rows <= ", kExactRows, " or a multiple of ", kRowStep, ", got ", min_rows,
+                "..", max_rows);
     min_rows_ = min_rows;
     max_rows_ = max_rows;
+  }
+  // The row count a call of ``n`` rows (n <= max_rows) runs as.
+  int64_t call_rows(int64_t n) const {
+    int64_t m = std::max(n, min_rows_);
+    if (m > kExactRows) m = (m + kRowStep - 1) / kRowStep * kRowStep;
+    return m;
   }
   int64_t min_rows() const { return min_rows_; }
   int64_t max_rows() const { return max_rows_; }
@@ -243,6 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("impl", &PackedLinear::impl, pybind11::arg("rows"))
       .def("set_row_range", &PackedLinear::set_row_range, pybind11::arg("min_rows"),
            pybind11::arg("max_rows"))
+      .def("call_rows", &PackedLinear::call_rows, pybind11::arg("rows"))
       .def_property_readonly("min_rows", &PackedLinear::min_rows)
       .def_property_readonly("max_rows", &PackedLinear::max_rows)
       .def_property_readonly("out_features", &PackedLinear::out_features)
@@ -251,6 +264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("is_bfloat16", [](const PackedLinear& p) {
         return p.dtype() == at::kBFloat16;
       });
+  m.attr("EXACT_ROWS") = kExactRows;
+  m.attr("ROW_STEP") = kRowStep;
   m.def("cache_size", []() { return primitive_cache().size(); }, "primitives cached now");
   m.def("cache_capacity", []() { return primitive_cache().capacity(); });
   m.def("version", []() {

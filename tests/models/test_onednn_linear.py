@@ -75,7 +75,8 @@ def test_a_wide_product_is_held_to_its_measured_row_range():
     if lo > 1:  # the range is there for a reason: unpadded, fewer rows round differently
         raw = onednn.load().PackedLinear(w)
         assert not torch.equal(raw.forward(x[:lo - 1]), full[:lo - 1])
-    for m in (*range(1, 20), 64, 127, 128, 129, 128 + lo - 1, 200, 299):
+    assert [packed.op.call_rows(n) for n in (1, 33, 48, 49, hi)] == [lo, 48, 48, 64, hi]
+    for m in (*range(1, 20), 33, 64, 127, 128, 129, 128 + lo - 1, 200, 299):
         start = 300 - m if m % 2 else 0
         assert torch.equal(packed(x[start:start + m]), full[start:start + m]), (m, lo, hi)
 
@@ -83,7 +84,7 @@ def test_a_wide_product_is_held_to_its_measured_row_range():
 def test_a_row_range_must_leave_room_for_splitting():
     _, w = _activations(torch.float32, rows=1)
     packed = _direct_or_skip(w)
-    for lo, hi in ((0, 8), (5, 8)):
+    for lo, hi in ((0, 8), (5, 8), (1, 40)):  # 40: above 32 rows, calls come in steps of 16
         with pytest.raises(RuntimeError, match="row range"):
             packed.op.set_row_range(lo, hi)
 
@@ -180,8 +181,9 @@ def test_one_openmp_runtime_is_shared_with_torch():
 
 
 def test_primitives_are_shared_by_shape_and_their_cache_is_bounded():
-    """Every weight of one shape uses the same primitive per row count, and the cache keeps at
-    most SPECSERVE_ONEDNN_CACHE of them (a prefill brings new row counts all the time)."""
+    """Every weight of one shape uses the same primitive per row count, the probe makes every
+    count a packed weight's calls run as (none is made while serving), and the cache keeps at
+    most SPECSERVE_ONEDNN_CACHE primitives (raw calls bring new row counts all the time)."""
     if onednn.load() is None:
         pytest.skip(f"direct oneDNN products not built: {onednn.error()}")
     out = _run(
@@ -189,14 +191,18 @@ def test_primitives_are_shared_by_shape_and_their_cache_is_bounded():
         "from models import onednn\n"
         "mod = onednn.load()\n"
         "ws = [torch.randn(48, 32) for _ in range(6)]\n"
-        "ps = [onednn.pack(w) for w in ws]\n"
-        "base = mod.cache_size()\n"
-        "x = torch.randn(71, 32)  # a row count the probe did not use\n"
-        "outs = [p(x) for p in ps]\n"
-        "shared = mod.cache_size() - base\n"
-        "ok = all(torch.allclose(o, x @ w.T, atol=1e-4) for o, w in zip(outs, ws))\n"
-        "for rows in range(1, 128):\n"
-        "    ps[0](torch.randn(rows, 32))\n"
-        "print(shared, ok, mod.cache_size(), mod.cache_capacity())\n",
-        SPECSERVE_ONEDNN_CACHE="64")  # above the ~50 row counts the probe leaves cached
-    assert out.split() == ["1", "True", "64", "64"]
+        "first = onednn.pack(ws[0])\n"
+        "probed = mod.cache_size()\n"
+        "ps = [first] + [onednn.pack(w) for w in ws[1:]]\n"
+        "outs = [p(torch.randn(rows, 32)) for rows in range(1, 300, 7) for p in ps]\n"
+        "x = torch.randn(71, 32)\n"
+        "ok = all(torch.allclose(p(x), x @ w.T, atol=1e-4) for p, w in zip(ps, ws))\n"
+        "served = mod.cache_size()\n"
+        "raw = mod.PackedLinear(ws[0])\n"
+        "for rows in range(1, 200):\n"
+        "    raw.forward(torch.randn(rows, 32))\n"
+        "print(probed, served, ok, mod.cache_size(), mod.cache_capacity())\n",
+        SPECSERVE_ONEDNN_CACHE="64")
+    probed, served, ok, size, capacity = out.split()
+    assert 1 < int(probed) == int(served) <= 64 and ok == "True"
+    assert int(size) == int(capacity) == 64
