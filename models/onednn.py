@@ -30,7 +30,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -41,8 +40,6 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "onednn_linear.cpp"]
 _BUILD = Path(os.environ.get("SPECSERVE_ONEDNN_BUILD_DIR") or _CSRC / "build")
 MAX_CALL_ROWS = 128  # a product's rows go to oneDNN in calls of at most this many (if invariant)
-LARGE_CALL_ROWS = (256, 384, 512, 640, 768, 896, 1024)  # ... or of these, each where it is
-LARGE_PROBE_BUDGET_S = 0.1  # large counts are probed where that is estimated to take less
 PROBE_OFFSET = 5  # the probe also compares windows starting at this row
 _lock = threading.Lock()
 _state: dict = {"module": None, "error": None, "probed": {}}
@@ -136,17 +133,15 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
             kernels = sorted({op.impl(rows) for rows in (1, 2, 8, 64)})
             found = row_range(op, weight.dtype) if all(k.startswith("brg") for k in kernels) \
                 else None
-            if found is not None:
-                found = (*found, large_counts(op, weight.dtype, found[1]))
             _state["probed"][key] = found or False
             if found is None:
                 log.info("oneDNN kernels %s for %s %s round a row differently by row count; "
                          "PyTorch's packed path serves", kernels, list(weight.shape),
                          weight.dtype)
                 return None
-            if found[:2] != (1, MAX_CALL_ROWS):
+            if found != (1, MAX_CALL_ROWS):
                 log.info("oneDNN products %s %s in calls of %d..%d rows (kernels %s)",
-                         list(weight.shape), weight.dtype, found[0], found[1], kernels)
+                         list(weight.shape), weight.dtype, *found, kernels)
     except RuntimeError as exc:  # oneDNN has no kernel for this dtype on this CPU
         _state["probed"][key] = False
         log.info("no oneDNN matmul for %s %s here (%s); PyTorch's packed path serves",
@@ -154,29 +149,6 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
         return None
     op.set_row_range(*_state["probed"][key])
     return DirectPacked(op, weight.dtype)
-
-
-def large_counts(op, dtype: torch.dtype, hi: int) -> list[int]:
-    """Of :data:`LARGE_CALL_ROWS`, the counts whose single calls give each row the bits of
-    calls of ``hi`` rows, so that prefill-sized products run as fewer, larger calls (with AMX,
-    2048 rows of down_proj took 1.64 ms in one call and 2.54 ms in 128-row calls; there 384,
-    512 and 1024 rows were invariant and 256 was not). Probed only when ``hi`` is
-    :data:`MAX_CALL_ROWS` and where the reference pass suggests the probe takes under
-    :data:`LARGE_PROBE_BUDGET_S` (a wide head, which only multiplies the sampled rows, is left
-    out). Call before the op's range is set: each ``forward`` is then one call."""
-    if hi != MAX_CALL_ROWS:
-        return []
-    gen = torch.Generator().manual_seed(1)
-    n = LARGE_CALL_ROWS[-1]
-    x = (torch.randn(n, op.in_features, generator=gen)
-         * torch.rand(n, op.in_features, generator=gen).pow(4) * 8).to(dtype)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        first = op.forward(x[:hi])
-        if (time.perf_counter() - start) * (n + sum(LARGE_CALL_ROWS)) / hi > LARGE_PROBE_BUDGET_S:
-            return []
-        ref = torch.cat([first] + [op.forward(x[i:i + hi]) for i in range(hi, n, hi)])
-        return [c for c in LARGE_CALL_ROWS if torch.equal(op.forward(x[:c]), ref[:c])]
 
 
 def call_counts(mod, hi: int) -> list[int]:

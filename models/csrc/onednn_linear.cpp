@@ -29,7 +29,6 @@
 #include <string>
 #include <unordered_map>
 #include <utility>
-#include <vector>
 
 namespace {
 
@@ -158,7 +157,7 @@ class PackedLinear {
       return y;
     }
     for (int64_t start = 0; start < rows;) {
-      const int64_t n = chunk_rows(rows - start);
+      const int64_t n = std::min(rows - start, max_rows_);
       const int64_t m = call_rows(n);
       auto part = x2.narrow(0, start, n);
       if (m == n) {
@@ -177,42 +176,16 @@ class PackedLinear {
 
   // Calls are held to row counts the caller measured to give a row the same bits
   // (``models/onednn.py``): at least ``min_rows`` (fewer are padded), at most ``max_rows``
-  // (more are split: into calls of the ``large`` counts also found invariant where they fit),
-  // and above kExactRows a multiple of kRowStep (padded up), so that a weight runs at most ~50
-  // row counts, each one probed, each primitive made once.
-  void set_row_range(int64_t min_rows, int64_t max_rows, std::vector<int64_t> large = {}) {
+  // (more are split), and above kExactRows a multiple of kRowStep (padded up), so that a
+  // weight runs at most ~40 row counts, each one probed, each primitive made once.
+  void set_row_range(int64_t min_rows, int64_t max_rows) {
     TORCH_CHECK(min_rows >= 1 && max_rows >= 2 * min_rows &&
                     (max_rows <= kExactRows || max_rows % kRowStep == 0),
                 "onednn_linear: row range needs 1 <= min_rows, max_rows >= 2 * min_rows and "
                 "max_rows <= ", kExactRows, " or a multiple of ", kRowStep, ", got ", min_rows,
                 "..", max_rows);
-    for (size_t i = 0; i < large.size(); ++i) {
-      TORCH_CHECK(large[i] > (i ? large[i - 1] : max_rows),
-                  "onednn_linear: large row counts must ascend from above max_rows");
-    }
     min_rows_ = min_rows;
     max_rows_ = max_rows;
-    large_ = std::move(large);
-  }
-  // Rows the next call takes of ``rest`` still to multiply: all of them up to max_rows, else
-  // the largest admitted count that fits (max_rows where none does).
-  int64_t chunk_rows(int64_t rest) const {
-    if (rest <= max_rows_) return rest;
-    int64_t n = max_rows_;
-    for (const int64_t c : large_) {
-      if (c <= rest) n = c;
-    }
-    return n;
-  }
-  // The row counts the calls for ``rows`` rows run as, in order (what ``forward`` does).
-  std::vector<int64_t> call_plan(int64_t rows) const {
-    std::vector<int64_t> out;
-    for (int64_t start = 0; start < rows;) {
-      const int64_t n = max_rows_ == 0 ? rows - start : chunk_rows(rows - start);
-      out.push_back(max_rows_ == 0 ? n : call_rows(n));
-      start += n;
-    }
-    return out;
   }
   // The row count a call of ``n`` rows (n <= max_rows) runs as.
   int64_t call_rows(int64_t n) const {
@@ -222,7 +195,6 @@ class PackedLinear {
   }
   int64_t min_rows() const { return min_rows_; }
   int64_t max_rows() const { return max_rows_; }
-  std::vector<int64_t> large_rows() const { return large_; }
 
   // The kernel oneDNN runs for ``rows`` rows (e.g. "brg:avx512_core_bf16", "gemm:jit:f32").
   std::string impl(int64_t rows) { return entry(rows, false)->impl; }
@@ -268,7 +240,6 @@ class PackedLinear {
   at::ScalarType dtype_;
   int64_t out_, in_;
   int64_t min_rows_ = 1, max_rows_ = 0;
-  std::vector<int64_t> large_;  // admitted counts above max_rows, ascending
   memory::desc packed_desc_;
   std::string key_;  // "/in/out/dtype": this weight's part of its primitives' cache keys
   torch::Tensor packed_;  // the reordered weight's bytes
@@ -283,12 +254,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("bias") = pybind11::none())
       .def("impl", &PackedLinear::impl, pybind11::arg("rows"))
       .def("set_row_range", &PackedLinear::set_row_range, pybind11::arg("min_rows"),
-           pybind11::arg("max_rows"), pybind11::arg("large") = std::vector<int64_t>{})
-      .def("call_plan", &PackedLinear::call_plan, pybind11::arg("rows"))
+           pybind11::arg("max_rows"))
       .def("call_rows", &PackedLinear::call_rows, pybind11::arg("rows"))
       .def_property_readonly("min_rows", &PackedLinear::min_rows)
       .def_property_readonly("max_rows", &PackedLinear::max_rows)
-      .def_property_readonly("large_rows", &PackedLinear::large_rows)
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features)
       .def_property_readonly("nbytes", &PackedLinear::nbytes)

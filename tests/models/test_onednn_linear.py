@@ -81,38 +81,12 @@ def test_a_wide_product_is_held_to_its_measured_row_range():
         assert torch.equal(packed(x[start:start + m]), full[start:start + m]), (m, lo, hi)
 
 
-def test_prefill_sized_products_run_as_large_calls_that_were_probed():
-    """Above 128 rows a product is split into the largest admitted counts (256..1024, each
-    probed against 128-row calls; with AMX, down_proj's 256 was not admitted and 384+ were),
-    and every row keeps the bits of a one-row call."""
-    x, w = _activations(torch.bfloat16, rows=2100)
-    packed = _direct_or_skip(w)
-    op = packed.op
-    large = op.large_rows
-    assert large == sorted(large) and set(large) <= set(onednn.LARGE_CALL_ROWS)
-    for rows in (129, 300, 1100, 2100):
-        plan = op.call_plan(rows)
-        assert sum(plan) >= rows and sum(plan) - plan[-1] < rows
-        assert all(c in large or c <= op.max_rows for c in plan)
-        if large and rows >= large[0]:
-            assert max(plan) == max(c for c in large if c <= rows)
-    full = packed(x)
-    for m, start in ((1, 2000), (300, 0), (1100, 1000), (2100, 0)):
-        assert torch.equal(packed(x[start:start + m]), full[start:start + m]), m
-    assert torch.equal(packed(x[1500:1501])[0], full[1500])
-    raw = onednn.load().PackedLinear(w)  # no range: one call of exactly the rows given
-    for c in large:
-        assert torch.equal(raw.forward(x[:c]), full[:c]), c
-
-
 def test_a_row_range_must_leave_room_for_splitting():
     _, w = _activations(torch.float32, rows=1)
     packed = _direct_or_skip(w)
     for lo, hi in ((0, 8), (5, 8), (1, 40)):  # 40: above 32 rows, calls come in steps of 16
         with pytest.raises(RuntimeError, match="row range"):
             packed.op.set_row_range(lo, hi)
-    with pytest.raises(RuntimeError, match="ascend"):
-        packed.op.set_row_range(1, 128, [512, 256])
 
 
 @pytest.mark.parametrize("min_rows", DIRECT_PAD_CHOICES)
