@@ -151,12 +151,11 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
     return DirectPacked(op, weight.dtype)
 
 
-def call_counts(mod, hi: int) -> list[int]:
-    """The row counts below ``hi`` that a call may run as once a range ending at ``hi`` is set
-    (``PackedLinear.call_rows``): every count to ``EXACT_ROWS``, then multiples of
-    ``ROW_STEP``. :func:`row_range` compares all of them."""
-    exact, step = mod.EXACT_ROWS, mod.ROW_STEP
-    return [*range(1, min(hi, exact + 1)), *range(exact + step, hi, step)]
+def call_counts(op, hi: int) -> list[int]:
+    """The row counts below ``hi`` that a call may run as once a range ending at ``hi`` is set,
+    as ``PackedLinear.call_rows`` rounds them (every count to 32, then multiples of 16; asked of
+    ``op`` before its range is set). :func:`row_range` compares all of them."""
+    return sorted({op.call_rows(n) for n in range(1, hi)} - {hi})
 
 
 def row_range(op, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -166,7 +165,6 @@ def row_range(op, dtype: torch.dtype) -> tuple[int, int] | None:
     :data:`PROBE_OFFSET` rows later gives the shared rows the same bits; ``hi`` is
     :data:`MAX_CALL_ROWS` or the largest half of it that holds with ``hi >= 2 * lo``. ``None``:
     no such range (a kernel that is not invariant at all)."""
-    mod = load()
     gen = torch.Generator().manual_seed(0)
     width = op.in_features
     x = (torch.randn(MAX_CALL_ROWS + PROBE_OFFSET, width, generator=gen)
@@ -176,7 +174,7 @@ def row_range(op, dtype: torch.dtype) -> tuple[int, int] | None:
         while hi >= 2:
             ref = op.forward(x[:hi])
             shifted = op.forward(x[PROBE_OFFSET:PROBE_OFFSET + hi])
-            bad = [rows for rows in call_counts(mod, hi)
+            bad = [rows for rows in call_counts(op, hi)
                    if not torch.equal(op.forward(x[:rows]), ref[:rows])]
             lo = max(bad, default=0) + 1
             if torch.equal(shifted[:hi - PROBE_OFFSET], ref[PROBE_OFFSET:]) and 2 * lo <= hi:
