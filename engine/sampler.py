@@ -31,6 +31,7 @@ import torch
 from engine.outputs import Logprob
 from engine.request import Request
 from engine.spec import rejection
+from models.layers import argmax
 
 
 @dataclass
@@ -76,12 +77,15 @@ class Sampler:
         vocab = logits.shape[-1]
         plan = _HostPlan(groups, vocab)
 
-        # rows of the groups, in group order, as one float32 matrix [R, V]
+        # rows of the groups, in group order, as one matrix [R, V]: float32 where anything
+        # but the argmax reads them (greedy rows alone take it in the model's dtype: the same
+        # indices, without a copy of every score)
         if plan.source_rows == list(range(logits.shape[0])):
             raw = logits
         else:
             raw = logits.index_select(0, _to_device(plan.source_rows, torch.long, dev))
-        raw = raw.float()
+        if plan.ban_flat or plan.pen_rows or plan.sample_rows or plan.lp_rows:
+            raw = raw.float()
 
         proc = raw
         if plan.ban_flat or plan.pen_rows:
@@ -91,7 +95,7 @@ class Sampler:
         if plan.pen_rows:
             _apply_penalties(proc, plan, vocab)
 
-        tokens = proc.argmax(dim=-1)
+        tokens = argmax(proc)
         if plan.sample_rows:
             s_idx = _to_device(plan.sample_rows, torch.long, dev)
             params = _to_device(plan.sample_params, torch.float32, dev).view(-1, 4)

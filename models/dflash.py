@@ -34,7 +34,7 @@ from torch import nn
 from attention.backends.base import AttentionMetadata
 from attention.kv import LayerKV, SlotIndex, write_kv
 from models.hf_folder import ModelConfigError
-from models.layers import Linear, PackedWeight, RMSNorm, RotaryEmbedding
+from models.layers import Linear, PackedWeight, RMSNorm, RotaryEmbedding, argmax
 from models.llama import PACKED, DecoderLayer, LayerSpec, StackShape, WeightLoadError, _copy
 from models.loader import config_errors, layer_fields
 
@@ -155,7 +155,7 @@ def refinement_inputs(logits: torch.Tensor, masks: torch.Tensor, vocab_ids: torc
     ``threshold`` (every guess at 0), else the slot's first-pass input. ``logits`` ``[..., V']``
     score the draft vocabulary (``vocab_ids`` maps it to target ids; None: all of it),
     ``masks`` ``[..., H]`` are the first-pass inputs, ``embed`` embeds target ids."""
-    guess = logits.argmax(-1)
+    guess = argmax(logits)
     if vocab_ids is not None:
         guess = vocab_ids[guess]
     fill = embed(guess)

@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -103,5 +104,25 @@ inline u32x16 load_u32x16(const void* p) {
 }
 inline v16 as_v16(u32x16 w) { return {(v8)w.lo, (v8)w.hi}; }
 #endif
+
+// rows per thread: enough elements that waking a second thread pays
+inline int64_t grain(int64_t row_elems) {
+  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, row_elems));
+}
+
+inline void check_float(const torch::Tensor& t, const char* what, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
+                  t.scalar_type() == at::kHalf, what, ": ", name,
+              " must be float32, bfloat16 or float16");
+}
+
+template <typename F>
+inline void dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    default: f(c10::Half{}); break;
+  }
+}
 
 }  // namespace

@@ -53,17 +53,6 @@ inline void norm_row(const float* v, const T* weight, T* out, int64_t H, float e
     out[d] = round_to<T>(to_float(round_to<T>(v[d] * inv)) * to_float(weight[d]));
 }
 
-// rows per thread: enough elements that waking a second thread pays
-inline int64_t grain(int64_t row_elems) {
-  return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, row_elems));
-}
-
-void check_float(const torch::Tensor& t, const char* what, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 ||
-                  t.scalar_type() == at::kHalf, what, ": ", name,
-              " must be float32, bfloat16 or float16");
-}
-
 void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* what) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && x.dim() >= 1, what,
               ": x must be a contiguous CPU tensor");
@@ -71,15 +60,6 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char*
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   weight.dim() == 1 && weight.size(0) == x.size(-1),
               what, ": weight must be a contiguous [hidden] tensor of x's dtype");
-}
-
-template <typename F>
-void dispatch(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    default: f(c10::Half{}); break;
-  }
 }
 
 }  // namespace

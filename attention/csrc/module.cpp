@@ -16,6 +16,7 @@ std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tenso
                                                  torch::Tensor sin, int64_t nq, int64_t nk);
 void store_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
               torch::Tensor offsets);
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TORCH_CHECK(paged_attention_self_check(), "paged attention: kSlot does not match reduce16");
@@ -24,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x) (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] (CPU)");
   m.def("rope_qk", &rope_qk, "Rotary embedding of the query and key heads of a QKV row (CPU)");
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1), vectorized (CPU)");
   m.def("store_kv", &store_kv, "Write K/V rows to their cache slots (CPU, same dtype)");
 }

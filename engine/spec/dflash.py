@@ -37,7 +37,7 @@ from models.dflash import (
 )
 from models.dflash2 import DFlash2Config, build_draft, draft_config
 from models.hf_folder import load_hf_config
-from models.layers import linear, pack_weight
+from models.layers import argmax, linear, pack_weight
 from models.llama import LlamaForCausalLM
 
 
@@ -324,7 +324,7 @@ class DFlashProposer:
         """Draft tokens from the block states ``[n, K+1, H]`` (DFlash: the argmax of every
         MASK position; DFlash2 overrides this with its selector)."""
         n, k = hidden.shape[0], hidden.shape[1] - 1
-        best = self.draft_logits(hidden[:, 1:].reshape(n * k, -1)).argmax(dim=-1)
+        best = argmax(self.draft_logits(hidden[:, 1:].reshape(n * k, -1)))
         if self._vocab_ids is not None:
             best = self._vocab_ids.index_select(0, best)
         return dict(zip((r.request_id for r in reqs), best.view(n, k).tolist()))

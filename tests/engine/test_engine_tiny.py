@@ -89,7 +89,7 @@ def _engine_logits(engine, chunks: list[list[int]]) -> torch.Tensor:
                 meta = engine.runner.backend.build_metadata(batch, engine.device)
                 hidden, _ = engine.model(torch.tensor(chunk), torch.arange(start, end), meta,
                                          kv_layers)
-                out.append(engine.model.compute_logits(hidden))
+                out.append(engine.model.compute_logits(hidden).float())
                 start = end
     finally:
         engine.blocks.free(table)
