@@ -97,9 +97,8 @@ class SpecController:
             return [Decision(min(self.k_max, c.available, c.cap), True) for c in cands]
         # Drafts for the next step are made where they pay with the draft pass counted; the
         # drafts held now were paid for last step, so verification leaves that cost out.
-        draft_ks = self._optimal_ks(cands, other_tokens, count_draft=True)
-        verify_ks = (self._optimal_ks(cands, other_tokens, count_draft=False)
-                     if any(c.available for c in cands) else [0] * len(cands))
+        draft_ks, verify_ks = self._optimal_ks(cands, other_tokens,
+                                               verify=any(c.available for c in cands))
         if self._verify_probe:
             # a probe's drafts are verified whole: the deep positions' acceptance and the
             # price of the largest block are measured too (where nothing else drafts, they
@@ -135,13 +134,17 @@ class SpecController:
         if not self.adaptive:
             return True
         c = Candidate(None, self.k_max, self.k_max, 1)
-        return self._optimal_ks([c] * max(1, batch_rows), 0, count_draft=True)[0] > 0
+        return self._optimal_ks([c] * max(1, batch_rows), 0, verify=False)[0][0] > 0
 
-    def _optimal_ks(self, cands: list[Candidate], other_tokens: int, *,
-                    count_draft: bool) -> list[int]:
+    def _optimal_ks(self, cands: list[Candidate], other_tokens: int, *, verify: bool
+                    ) -> tuple[list[int], list[int]]:
+        """Per candidate: the drafts worth making for the next step (the draft pass counted)
+        and, with ``verify``, worth verifying now (the pass already paid; else zeros). Both
+        come from one ranking of the extra tokens and one pricing of the step."""
         cost = self.cost
         assert cost is not None
         rows = len(cands)
+        none = [0] * rows
         # every possible extra token: its gain (row-major: a request's gains in order) and owner
         table = np.asarray([self.acceptance.gains(c.state) for c in cands])  # [rows, K]
         limit = np.minimum(self.k_max, np.fromiter((c.cap for c in cands), int, rows))
@@ -149,24 +152,26 @@ class SpecController:
         gains = table[usable]
         owner = np.nonzero(usable)[0]
         if not gains.size:
-            return [0] * rows
+            return none, none
         order = np.argsort(-gains, kind="stable")  # a request's gains stay in order
         who = owner[order]
         expected = rows + np.concatenate(([0.0], np.cumsum(gains[order])))
         base = other_tokens + sum(c.tokens for c in cands)
         times = cost.step_times(rows, base + np.arange(len(gains) + 1))
-        if count_draft:
-            first = np.zeros(len(gains) + 1)
-            _, where = np.unique(who, return_index=True)
-            first[where + 1] = 1.0  # the extra token that makes a request draft at all
-            times = times + cost.draft_times(np.cumsum(first))
-        rates = expected / times
-        best = int(np.argmax(rates))  # the first best: fewer drafts on a tie
+        first = np.zeros(len(gains) + 1)
+        _, where = np.unique(who, return_index=True)
+        first[where + 1] = 1.0  # the extra token that makes a request draft at all
         assert self.realized is not None
         discount = self.realized.correction(cost.row_bucket(rows))
-        if discount * rates[best] < self.min_gain * rates[0]:
-            best = 0  # within the cost model's error of a plain step: do not speculate
-        return np.bincount(who[:best], minlength=rows).tolist()
+
+        def best_ks(rates: np.ndarray) -> list[int]:
+            best = int(np.argmax(rates))  # the first best: fewer drafts on a tie
+            if discount * rates[best] < self.min_gain * rates[0]:
+                return none  # within the cost model's error of a plain step: do not speculate
+            return np.bincount(who[:best], minlength=rows).tolist()
+
+        drafting = best_ks(expected / (times + cost.draft_times(np.cumsum(first))))
+        return drafting, best_ks(expected / times) if verify else none
 
     # -- feedback ------------------------------------------------------------------------------
     def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
