@@ -36,9 +36,9 @@ def cpu_ops(*tensors: torch.Tensor):
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)``, the same indices (the first of equal maxima): on the CPU from the
     compiled kernel (``attention/csrc/sampling_ops.cpp``). Over the 49,152-token vocabulary it
-    took 10-31 us for 1-8 rows where PyTorch took 72-353 us in float32 and 181-1,146 us in
-    bfloat16 (2-vCPU Xeon); a verification step's rows and a draft's block all pass through
-    one."""
+    took 8-32 us for 1-8 rows where PyTorch took 73-288 us in float32 and 182-723 us in
+    bfloat16 (2-vCPU Xeon, ``benchmarks/bench_sampler.py``); a verification step's rows and a
+    draft's block all pass through one."""
     ops = cpu_ops(x) if x.dim() >= 1 and x.numel() > 0 and x.is_contiguous() else None
     return x.argmax(dim=-1) if ops is None else ops.argmax_rows(x)
 
