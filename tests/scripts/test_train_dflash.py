@@ -345,34 +345,44 @@ def draft_config_with_vocab(n):
                            draft_vocab_size=n)
 
 
+def _tiny_run_args(tmp_path, out):
+    """Command line of a training run on a tiny stored dataset (a random 4-layer target, 24
+    sequences of 30-34 tokens with random features of taps 0-2)."""
+    from tests.spec.helpers import save_target
+
+    target = tmp_path / "target"
+    if not target.exists():
+        save_target(target, "llama", vocab=64, hidden=32, layers=4, seed=3)
+    data = tmp_path / "data"
+    if not data.exists():
+        data.mkdir()
+        gen = torch.Generator().manual_seed(0)
+        ids, lens, prompts = [], [], []
+        for i in range(24):
+            n = 30 + i % 5
+            ids.append((torch.arange(n) * (1 + i % 3)) % 17 + 3)
+            lens.append(n)
+            prompts.append(6)
+        all_ids = torch.cat(ids)
+        feats = torch.randn(all_ids.shape[0], 3 * 32, generator=gen).to(torch.bfloat16)
+        torch.save({"features": feats, "ids": all_ids, "lengths": torch.tensor(lens),
+                    "prompt_lengths": torch.tensor(prompts)}, data / "features-0000.pt")
+        (data / "features.json").write_text(
+            '{"layers": [0, 1, 2], "dtype": "bfloat16", "shards": ["features-0000.pt"]}')
+    return ["--data", str(data), "--out", str(out), "--model", str(target), "--layers", "1",
+            "--taps", "1", "2", "--block-size", "4", "--ffn", "48", "--anchors", "4",
+            "--batch", "4", "--val-sequences", "4", "--draft-vocab", "24", "--eval-every", "2",
+            "--save-every", "1", "--max-positions", "64"]
+
+
 def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
     """``train()`` on a tiny stored dataset: writes a loadable draft with its d2t, the
     validation history, and a resumed run continues from its checkpoint instead of restarting."""
     from models.dflash import DFlashConfig, DFlashDraftModel
     from models.hf_folder import iter_safetensors, load_hf_config
-    from tests.spec.helpers import save_target
 
-    target = save_target(tmp_path / "target", "llama", vocab=64, hidden=32, layers=4, seed=3)
-    data = tmp_path / "data"
-    data.mkdir()
-    gen = torch.Generator().manual_seed(0)
-    ids, lens, prompts = [], [], []
-    for i in range(24):
-        n = 30 + i % 5
-        ids.append((torch.arange(n) * (1 + i % 3)) % 17 + 3)
-        lens.append(n)
-        prompts.append(6)
-    all_ids = torch.cat(ids)
-    feats = torch.randn(all_ids.shape[0], 3 * 32, generator=gen).to(torch.bfloat16)
-    torch.save({"features": feats, "ids": all_ids, "lengths": torch.tensor(lens),
-                "prompt_lengths": torch.tensor(prompts)}, data / "features-0000.pt")
-    (data / "features.json").write_text(
-        '{"layers": [0, 1, 2], "dtype": "bfloat16", "shards": ["features-0000.pt"]}')
     out = tmp_path / "run"
-    argv = ["--data", str(data), "--out", str(out), "--model", str(target), "--layers", "1",
-            "--taps", "1", "2", "--block-size", "4", "--ffn", "48", "--anchors", "4",
-            "--batch", "4", "--val-sequences", "4", "--draft-vocab", "24", "--eval-every", "2",
-            "--save-every", "1", "--max-positions", "64"]
+    argv = _tiny_run_args(tmp_path, out)
     first = train.train(train.parser().parse_args(argv + ["--epochs", "1"]))
     assert first["steps"] == 5  # 20 training sequences / batch 4
     resumed = train.train(train.parser().parse_args(argv + ["--epochs", "2", "--resume"]))
@@ -406,6 +416,80 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
         train.train(train.parser().parse_args(argv + ["--eval-only"]))
     with pytest.raises(ValueError, match="--distill"):
         train.train(train.parser().parse_args(argv + ["--steps", "1", "--distill", "1.5"]))
+
+
+def test_weight_average_follows_the_decay_and_swaps_back():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.bfloat16))
+    avg = train.WeightAverage([w], 0.75)
+    with torch.no_grad():
+        w.copy_(torch.tensor([5.0, 6.0]))
+    avg.update()  # 0.75 * start + 0.25 * now
+    assert avg.shadow[0].tolist() == [2.0, 3.0]
+    avg.swap()
+    assert w.tolist() == [2.0, 3.0] and avg.shadow[0].tolist() == [5.0, 6.0]
+    avg.swap()
+    assert w.tolist() == [5.0, 6.0] and avg.shadow[0].tolist() == [2.0, 3.0]
+    assert w.dtype == torch.bfloat16 and avg.shadow[0].dtype == torch.float32
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="--ema"):
+            train.WeightAverage([w], bad)
+
+
+def test_ema_run_saves_the_average_and_the_trained_weights_and_resumes_exactly(tmp_path):
+    """``--ema``: ``out/draft`` holds the validated average, ``out/draft-raw`` the last trained
+    weights; validation logs both; a run stopped and resumed ends with the same average as one
+    that ran through."""
+    from models.hf_folder import iter_safetensors
+
+    def weights(folder):
+        return dict(iter_safetensors(folder))
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    ema = ["--ema", "0.5", "--lr", "1e-2"]
+    done = train.train(train.parser().parse_args(_tiny_run_args(tmp_path, whole) + ema
+                                                 + ["--steps", "4"]))
+    history = [json.loads(line) for line in (whole / "history.jsonl").read_text().splitlines()]
+    assert all("raw_sim_accept_len" in h and "raw_loss" in h for h in history)
+    assert done["best_sim_accept_len"] == max(h["sim_accept_len"] for h in history)
+    avg, last = weights(whole / "draft"), weights(whole / "draft-raw")
+    assert avg.keys() == last.keys()
+    assert any(not torch.equal(avg[k], last[k]) for k in avg if avg[k].is_floating_point())
+    # the final validation's figures for the trained weights are those of draft-raw
+    scored = train.train(train.parser().parse_args(
+        _tiny_run_args(tmp_path, tmp_path / "score") + ["--init", str(whole / "draft-raw"),
+                                                         "--eval-only"]))
+    assert scored["sim_accept_len"] == pytest.approx(history[-1]["raw_sim_accept_len"], abs=1e-6)
+    argv = _tiny_run_args(tmp_path, parts) + ema
+    with pytest.raises(SystemExit):  # stop after step 2, as a killed run would
+        _stop_after(train, 2, lambda: train.train(train.parser().parse_args(argv + ["--steps", "4"])))
+    train.train(train.parser().parse_args(argv + ["--steps", "4", "--resume"]))
+    state_whole = torch.load(whole / "train_state.pt")["ema"]["shadow"]
+    state_parts = torch.load(parts / "train_state.pt")["ema"]["shadow"]
+    assert all(torch.equal(a, b) for a, b in zip(state_whole, state_parts))
+    with pytest.raises(ValueError, match="--ema"):
+        train.train(train.parser().parse_args(argv + ["--steps", "4", "--ema", "1.5"]))
+    with pytest.raises(ValueError, match="same data"):  # the saved shuffle fits only its data
+        train.train(train.parser().parse_args(argv + ["--steps", "6", "--resume",
+                                                      "--max-sequences", "20"]))
+
+
+def _stop_after(module, steps: int, run):
+    """Run ``run()`` with the optimizer's step count limited: the ``steps + 1``-th call to
+    ``WeightAverage.update`` raises SystemExit (after the checkpoint of step ``steps``)."""
+    calls = {"n": 0}
+    original = module.WeightAverage.update
+
+    def update(self):
+        calls["n"] += 1
+        if calls["n"] > steps:
+            raise SystemExit(1)
+        original(self)
+
+    module.WeightAverage.update = update
+    try:
+        run()
+    finally:
+        module.WeightAverage.update = original
 
 
 def test_token_budgets_share_one_validation_set_and_nest():
