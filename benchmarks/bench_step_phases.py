@@ -1,0 +1,184 @@
+"""Where a decode step's time goes: plain decoding against speculation with fixed K.
+
+Each configuration (``--ks``: 0 is no speculation, K > 0 verifies K drafts of the DFlash
+draft every step) runs in a process of its own, as a server runs one engine, on the same
+prompts (``--concurrency`` at a time, greedy). The engine's own parts are timed where the
+engine calls them (a wall-clock wrapper around each; nothing else changes): scheduling, the
+target pass, the LM head, sampling, the draft's context K/V write (``_write_context``), its
+block pass, its choice of tokens (draft head and argmax), the rest of ``propose``, the rest of
+the runner's step, and the scheduler's update and the outputs. Each row is milliseconds per
+engine step, averaged over every step after a warm-up prompt; ``ms per token`` divides the
+whole step by the tokens it produced.
+
+On the 2-vCPU AMX Xeon of the twenty-fourth session a one-stream chat step was weight-bound:
+the draft's three parts together cost about what reading its 18.5 MB of weights does.
+
+    python benchmarks/bench_step_phases.py --ks 0 3 7 --prompts 4 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# (key, label): the order of the table's rows; "other" rows are derived in phases()
+ROWS = (
+    ("schedule", "scheduling"),
+    ("target", "target pass"),
+    ("head", "LM head"),
+    ("sample", "sampling"),
+    ("draft_context", "draft: context K/V"),
+    ("draft_block", "draft: block pass"),
+    ("draft_choose", "draft: choice (head, argmax)"),
+    ("propose_other", "draft: rest of propose"),
+    ("runner_other", "runner: rest"),
+    ("update", "scheduler update"),
+    ("outputs", "outputs"),
+    ("step", "**whole step**"),
+)
+
+
+def instrument(llm) -> tuple[dict[str, float], dict[str, int]]:
+    """Wrap the engine's parts with wall-clock timers; returns the running totals (seconds)
+    and call counts, keyed as in ``ROWS`` (plus ``execute`` and ``propose``)."""
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    eng = llm.engine
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - t0
+                calls[key] += 1
+
+        setattr(obj, name, timed)
+
+    wrap(eng, "step", "step")
+    wrap(eng, "_outputs", "outputs")
+    wrap(eng.scheduler, "schedule", "schedule")
+    wrap(eng.scheduler, "update", "update")
+    wrap(eng.runner, "execute", "execute")
+    wrap(eng.runner, "run_target", "target")
+    wrap(eng.runner.model, "compute_logits", "head")
+    wrap(eng.runner, "sampler", "sample")
+    if eng.proposer is not None:
+        wrap(eng.proposer, "propose", "propose")
+        wrap(eng.proposer, "_write_context", "draft_context")
+        wrap(eng.proposer, "_block_pass", "draft_block")
+        wrap(eng.proposer, "choose", "draft_choose")
+    return totals, calls
+
+
+def phases(totals: dict[str, float]) -> dict[str, float]:
+    """The table's rows from the wrapped totals: the "rest" rows are what a wrapper measured
+    beyond the parts inside it."""
+    out = {key: totals.get(key, 0.0) for key, _ in ROWS}
+    draft = sum(totals.get(k, 0.0) for k in ("draft_context", "draft_block", "draft_choose"))
+    out["propose_other"] = max(0.0, totals.get("propose", 0.0) - draft)
+    inside = sum(totals.get(k, 0.0) for k in ("target", "head", "sample", "propose"))
+    out["runner_other"] = max(0.0, totals.get("execute", 0.0) - inside)
+    return out
+
+
+def run_config(k: int, common: dict, draft: str | None, prompts: list, max_tokens: int,
+               concurrency: int) -> dict:
+    """One configuration in this process: a warm-up prompt, then every prompt in batches of
+    ``concurrency``; totals per part, steps and tokens."""
+    from engine import LLM, SamplingParams
+
+    spec = None if k == 0 else {"method": "dflash", "model": draft, "adaptive": False,
+                                "num_speculative_tokens": k}
+    llm = LLM(speculative_config=spec if spec else "none", **common)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.generate(prompts[:1], params)  # first calls of each shape (kernels, allocations)
+    totals, calls = instrument(llm)
+    tokens = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        outs = llm.generate(prompts[i:i + concurrency], params)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    wall = time.perf_counter() - t0
+    return {"k": k, "phases": phases(totals), "steps": calls["step"], "tokens": tokens,
+            "wall": wall}
+
+
+def load_prompts(model: str, count: int) -> list:
+    """The first ``count`` prompts of the held-out chat set, in the model's chat template."""
+    from benchmarks import prompts as prompt_sets
+    from benchmarks.bench_spec_policy import chat_questions
+    from models.hf_folder import load_tokenizer
+    from models.resolve import resolve_model_path
+
+    return prompt_sets.chat(load_tokenizer(resolve_model_path(model)), chat_questions()[:count])
+
+
+def table(results: list[dict]) -> str:
+    heads = [f"K = {r['k']}" if r["k"] else "no speculation" for r in results]
+    lines = ["| ms per step | " + " | ".join(heads) + " |", "|---" * (len(results) + 1) + "|"]
+    for key, label in ROWS:
+        cells = [f"{1e3 * r['phases'][key] / max(1, r['steps']):.2f}" for r in results]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    rows = {
+        "tokens per step": [f"{r['tokens'] / max(1, r['steps']):.2f}" for r in results],
+        "ms per token": [f"{1e3 * r['phases']['step'] / max(1, r['tokens']):.2f}" for r in results],
+        "output tok/s": [f"{r['tokens'] / r['wall']:.1f}" for r in results],
+        "steps": [str(r["steps"]) for r in results],
+    }
+    for label, cells in rows.items():
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--draft", default=None, help="DFlash draft (default: the model's default)")
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 3, 7])
+    p.add_argument("--prompts", type=int, default=4, help="held-out chat prompts")
+    p.add_argument("--prompt-ids", type=int, nargs="+", action="append", default=None,
+                   help="token-id prompts instead of chat prompts (repeat for several)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every configuration in this process (tests); by default each gets one")
+    args = p.parse_args(argv)
+    from engine.args import default_draft_for
+
+    draft = args.draft or default_draft_for(args.model)
+    if any(args.ks) and draft is None:
+        raise SystemExit(f"no default draft for {args.model}: give --draft")
+    draft = str(draft) if draft else None
+    common = {"model": args.model, "dtype": args.dtype}
+    prompts = args.prompt_ids or load_prompts(args.model, args.prompts)
+    jobs = [(k, common, draft, prompts, args.max_tokens, args.concurrency) for k in args.ks]
+    if args.in_process:
+        results = [run_config(*job) for job in jobs]
+    else:
+        ctx = mp.get_context("spawn")
+        results = []
+        for job in jobs:  # one engine at a time, each alone on the machine
+            with ctx.Pool(1) as pool:
+                results.append(pool.apply(run_config, job))
+    print(f"{len(prompts)} prompts, {args.concurrency} at a time, at most {args.max_tokens} "
+          f"tokens, greedy, {args.dtype}")
+    print(table(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

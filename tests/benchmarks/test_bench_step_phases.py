@@ -1,0 +1,29 @@
+"""``benchmarks/bench_step_phases.py``: every part of a step is timed where the engine calls
+it, the parts fit inside the whole step, and the table prints a column per configuration."""
+
+from __future__ import annotations
+
+from benchmarks import bench_step_phases
+from tests.spec.helpers import save_draft, save_target
+
+
+def test_parts_add_up_inside_the_step_and_the_table_prints(tmp_path, capsys):
+    target = save_target(tmp_path / "target")
+    save_draft(tmp_path / "draft")
+    results = bench_step_phases.main([
+        "--model", str(target), "--draft", str(tmp_path / "draft"), "--ks", "0", "2",
+        "--prompt-ids", "5", "6", "7", "--prompt-ids", "9", "10", "--max-tokens", "6",
+        "--dtype", "float32", "--in-process"])
+    plain, spec = results
+    for r in results:
+        ph = r["phases"]
+        assert r["steps"] > 0 and r["tokens"] == 2 * 6  # both prompts ran to max_tokens
+        assert ph["target"] > 0 and ph["head"] > 0 and ph["sample"] > 0 and ph["schedule"] > 0
+        parts = sum(v for k, v in ph.items() if k != "step")
+        assert parts <= ph["step"] * 1.001  # every part runs inside a step
+    assert plain["phases"]["draft_block"] == 0 and plain["phases"]["draft_choose"] == 0
+    assert spec["phases"]["draft_block"] > 0 and spec["phases"]["draft_choose"] > 0
+    assert spec["phases"]["draft_context"] > 0
+    out = capsys.readouterr().out
+    assert "| ms per step | no speculation | K = 2 |" in out
+    assert "| draft: block pass | 0.00 |" in out and "| tokens per step | 1.00 |" in out
