@@ -84,6 +84,10 @@ bench-peers:
 # Stage 6: three more pieces (seed 9 chat with some GSM8K train; seed 10 programming requests;
 # seed 11 chat, GSM8K train and second turns, at most 256 answer tokens), continued from stage
 # 5's draft on those pieces alone, then averaged half and half with stage 5's draft.
+# Stage 7: three more pieces (seed 12 programming requests; seeds 13 and 14 chat, GSM8K train
+# from 3,000 and second turns), continued from stage 6's draft on those pieces alone (with a
+# running weight average, which is logged; the last trained weights are what is kept), then
+# averaged half and half with stage 6's draft.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
@@ -117,6 +121,17 @@ SYNTH_ARGS9 ?= --seed 9 --num 1500 --num-gsm8k 500 --sources selfgen gsm8k_train
 SYNTH_ARGS10 ?= --seed 10 --num 700 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
                --max-tokens 256 --batch 64 --chunk 512
 SYNTH_ARGS11 ?= --seed 11 --num 2200 --turn2 150 --num-gsm8k 400 --gsm8k-from 2600 \
+               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+DRAFT_DATA12 ?= $(HOME)/.cache/specserve/dflash-data-v12
+DRAFT_DATA13 ?= $(HOME)/.cache/specserve/dflash-data-v13
+DRAFT_DATA14 ?= $(HOME)/.cache/specserve/dflash-data-v14
+DRAFT_RUN6AVG ?= $(HOME)/.cache/specserve/dflash-run6-average
+DRAFT_RUN7  ?= $(HOME)/.cache/specserve/dflash-run7
+SYNTH_ARGS12 ?= --seed 12 --num 500 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
+               --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS13 ?= --seed 13 --num 1800 --turn2 150 --num-gsm8k 300 --gsm8k-from 3000 \
+               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS14 ?= --seed 14 --num 2000 --turn2 150 --num-gsm8k 200 --gsm8k-from 3300 \
                --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
@@ -155,8 +170,21 @@ train-draft: setup
 	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA9) $(DRAFT_DATA10) $(DRAFT_DATA11) \
 	    --out $(DRAFT_RUN6) $(TRAIN_ARGS2) --init $(DRAFT_RUN5)/draft \
 	    --vocab-from $(DRAFT_RUN5)/draft --resume
-	mkdir -p models/drafts/smollm2-135m-instruct-dflash
 	$(PY) scripts/average_drafts.py $(DRAFT_RUN6)/draft $(DRAFT_RUN5)/draft --weight 0.5 \
+	    --out $(DRAFT_RUN6AVG)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA12) $(SYNTH_ARGS12)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA13) $(SYNTH_ARGS13) \
+	    --dedup-against $(DRAFT_DATA12)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA14) $(SYNTH_ARGS14) \
+	    --dedup-against $(DRAFT_DATA12) $(DRAFT_DATA13)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA12) --layers 1 14 27
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA13) --layers 1 14 27
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA14) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) \
+	    --out $(DRAFT_RUN7) $(TRAIN_ARGS2) --init $(DRAFT_RUN6AVG) --vocab-from $(DRAFT_RUN6AVG) \
+	    --ema 0.999 --resume
+	mkdir -p models/drafts/smollm2-135m-instruct-dflash
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN7)/draft-raw $(DRAFT_RUN6AVG) --weight 0.5 \
 	    --out models/drafts/smollm2-135m-instruct-dflash
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
