@@ -10,8 +10,10 @@ the runner's step, and the scheduler's update and the outputs. Each row is milli
 engine step, averaged over every step after a warm-up prompt; ``ms per token`` divides the
 whole step by the tokens it produced.
 
-On the 2-vCPU AMX Xeon of the twenty-fourth session a one-stream chat step was weight-bound:
-the draft's three parts together cost about what reading its 18.5 MB of weights does.
+Measured on a 2-vCPU Xeon with AMX (twenty-fourth session, held-out chat, one stream): a plain
+step took 21.9 ms, a step verifying 3 drafts 25.2 ms, of which the target pass grew by 0.9 ms
+and the draft's context write, block pass and choice took 2.1 ms (its 18.5 MB of weights read
+at the plain step's rate, 270 MB in 21.9 ms, would take 1.5 ms). Table in docs/performance.md.
 
     python benchmarks/bench_step_phases.py --ks 0 3 7 --prompts 4 --max-tokens 128
 """
