@@ -580,8 +580,11 @@ class WeightAverage:
     ``avg = decay * avg + (1 - decay) * weight``, starting from the weights it is given (the
     ``--init`` draft's, when continuing), so no bias correction is needed.
 
-    Averaging a continued run's weights with the draft it started from beat both on held-out
-    sets (stage 6 of the default draft); a running average does this along the whole run."""
+    Averaging a continued run's last weights with the draft it started from beat both on
+    held-out sets (stages 6 and 7 of the default draft). A running average (decay 0.999) was
+    tried on stage 7: it lay between the two, and averaged with the starting draft it was
+    below the end-point average on three of four sets (``docs/draft_data.md``, "Twelfth
+    step"), so stage 7 ships the end-point average."""
 
     def __init__(self, params: list[torch.Tensor], decay: float) -> None:
         if not 0.0 < decay < 1.0:
