@@ -102,9 +102,9 @@ def run_config(k: int, common: dict, draft: str | None, prompts: list, max_token
     ``concurrency``; totals per part, steps and tokens."""
     from engine import LLM, SamplingParams
 
-    spec = None if k == 0 else {"method": "dflash", "model": draft, "adaptive": False,
-                                "num_speculative_tokens": k}
-    llm = LLM(speculative_config=spec if spec else "none", **common)
+    spec = "none" if k == 0 else {"method": "dflash", "model": draft, "adaptive": False,
+                                  "num_speculative_tokens": k}
+    llm = LLM(speculative_config=spec, **common)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], params)  # first calls of each shape (kernels, allocations)
     totals, calls = instrument(llm)
@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--in-process", action="store_true",
                    help="run every configuration in this process (tests); by default each gets one")
     args = p.parse_args(argv)
+    from benchmarks.bench_spec_policy import cpu_description
     from engine.args import default_draft_for
 
     draft = args.draft or default_draft_for(args.model)
@@ -176,8 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for job in jobs:  # one engine at a time, each alone on the machine
             with ctx.Pool(1) as pool:
                 results.append(pool.apply(run_config, job))
-    print(f"{len(prompts)} prompts, {args.concurrency} at a time, at most {args.max_tokens} "
-          f"tokens, greedy, {args.dtype}")
+    print(f"# {cpu_description()}: {len(prompts)} prompts, {args.concurrency} at a time, at most "
+          f"{args.max_tokens} tokens, greedy, {args.dtype}")
     print(table(results))
     return results
 

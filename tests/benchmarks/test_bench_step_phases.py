@@ -25,5 +25,5 @@ def test_parts_add_up_inside_the_step_and_the_table_prints(tmp_path, capsys):
     assert spec["phases"]["draft_block"] > 0 and spec["phases"]["draft_choose"] > 0
     assert spec["phases"]["draft_context"] > 0
     out = capsys.readouterr().out
-    assert "| ms per step | no speculation | K = 2 |" in out
+    assert "2 prompts, 1 at a time" in out and "| ms per step | no speculation | K = 2 |" in out
     assert "| draft: block pass | 0.00 |" in out and "| tokens per step | 1.00 |" in out
