@@ -94,13 +94,17 @@ def error() -> str | None:
 
 def paged_attention(q: torch.Tensor, cache_logical: torch.Tensor, block_tables: torch.Tensor,
                     q_indptr: torch.Tensor, kv_lens: torch.Tensor, causal: bool, scale: float,
-                    k_scale: float = 1.0, v_scale: float = 1.0, tile: int = 16) -> torch.Tensor:
+                    k_scale: float = 1.0, v_scale: float = 1.0, tile: int = 16,
+                    tree_masks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed queries ``q [N, Hq, D]`` over one layer's pages.
 
     ``cache_logical`` is the layer's ``[blocks, 2, bs, Hkv, D]`` view (either layout);
     ``block_tables [B, M]``, ``q_indptr [B+1]``, ``kv_lens [B]`` are int64. Query ``i`` of
     request ``b`` sits at position ``kv_len - q_len + i`` and, when ``causal``, sees positions up
-    to its own; otherwise all ``kv_len``. Returns ``[N, Hq, D]`` in ``q``'s dtype.
+    to its own; otherwise all ``kv_len``. ``tree_masks`` (``[N]`` int64, causal only) restricts
+    a row's query-block positions to the set bits of its entry (0: causal; see
+    ``AttentionBatch.tree_masks``), bitwise as a causal row over the same K/V in logical order.
+    Returns ``[N, Hq, D]`` in ``q``'s dtype.
     """
     mod = load()
     if mod is None:
@@ -108,7 +112,8 @@ def paged_attention(q: torch.Tensor, cache_logical: torch.Tensor, block_tables: 
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         q = q.float()
     return mod.paged_attention(q.contiguous(), cache_logical, block_tables, q_indptr, kv_lens,
-                               causal, float(scale), float(k_scale), float(v_scale), tile)
+                               causal, float(scale), float(k_scale), float(v_scale), tile,
+                               tree_masks)
 
 
 if __name__ == "__main__":  # make setup: build once, loudly

@@ -105,7 +105,9 @@ def _serve_engine(conn: Any, spec: dict | None, common: dict) -> None:
         llm = LLM(speculative_config=spec, **common)
         proposer = llm.engine.proposer
         conn.send((True, {"dtype": str(llm.engine.config.model.dtype),
-                          "k": proposer.num_speculative_tokens if proposer else 0}))
+                          "k": proposer.num_drafts if proposer else 0,
+                          "tree": None if proposer is None or proposer.tree is None
+                          else [list(p) for p in proposer.tree.paths]}))
     except Exception:  # noqa: BLE001 - reported to the parent
         conn.send((False, traceback.format_exc()))
         return
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--fixed-k", nargs="+", type=int, default=[7],
                    help="fixed-K engines to compare (each verifies K drafts every step)")
+    p.add_argument("--tree", type=Path, default=None,
+                   help="a tree.json (engine.spec.tree) for the adaptive engine instead of the "
+                        "draft's own; fixed-K engines always verify chains")
+    p.add_argument("--chain-too", action="store_true",
+                   help="also run the adaptive engine on chains (\"tree\": \"chain\")")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     draft = default_draft_for(args.model) if args.draft == "default" else Path(args.draft)
@@ -192,8 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     specs = {"none": None}
     for k in args.fixed_k:
         specs[f"K={k}"] = {"method": "dflash", "model": str(draft), "adaptive": False,
-                           "num_speculative_tokens": k}
+                           "num_speculative_tokens": k, "tree": "chain"}
+    if args.chain_too:
+        specs["adaptive chain"] = {"method": "dflash", "model": str(draft), "tree": "chain"}
     specs["adaptive"] = {"method": "dflash", "model": str(draft)}
+    if args.tree is not None:
+        specs["adaptive"]["tree"] = json.loads(args.tree.read_text())["paths"]
     systems = list(specs)
     t0 = time.perf_counter()
     engines = {name: EngineProcess(specs[name], common) for name in systems}  # one at a time
@@ -205,9 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     warm = engines["none"].call("chat", ["Say hello."])
     for engine in engines.values():
         engine.call("generate", warm, params)
+    tree = engines["adaptive"].info["tree"]
     report = {"cpu": cpu_description(), "dtype": engines["none"].info["dtype"],
-              "k_max": k, "max_tokens": args.max_tokens, "startup_s": startup, "rows": []}
-    print(f"# {report['cpu']}, {report['dtype']}, K <= {k}, {args.max_tokens} tokens, greedy")
+              "k_max": k, "tree": tree, "max_tokens": args.max_tokens, "startup_s": startup,
+              "rows": []}
+    print(f"# {report['cpu']}, {report['dtype']}, K <= {k}, {args.max_tokens} tokens, greedy"
+          + (f"; adaptive verifies leading nodes of the tree {tree}" if tree else ""))
     spec_systems = systems[1:]
     print("| set | concurrency | none tok/s | " + " | ".join(f"{s} tok/s (x)" for s in spec_systems)
           + " | acceptance " + " / ".join(spec_systems) + " | adaptive k = 0..K | mismatches |")

@@ -14,10 +14,11 @@ the sequences (``--fit-fraction``) and measured on the rest, as are the chains.
 
 Speed against no speculation is ``acceptance * step(0) / (step(n) + draft)``, from one-row
 step costs by verified rows (``replay_policy.STEP_MS``, measured; beyond its last entry each
-row adds ``--row-ms``, an assumption). It is what trees would buy if built; the engine
-verifies chains only.
+row adds ``--row-ms``, an assumption). ``--write-tree`` writes the ``tree.json`` a draft
+ships (``engine.spec.tree``: the engine verifies such trees).
 
     python benchmarks/tree_sim.py DATA_DIR [--draft DRAFT] [--nodes 2 4 8 16 32]
+    python benchmarks/tree_sim.py DATA_DIR --val-split 200 --write-tree DRAFT/tree.json
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def walk(seqs: list[list[list[int]]], accepts) -> float:
     return tokens / max(1, steps)
 
 
-def frequency_tree(seqs: list[list[list[int]]], nodes: int, max_rank: int = 8) -> set[Path_]:
-    """The ``nodes`` rank paths that most often prefix the target's ranks (ties: shallower
-    first, then lower ranks); every path's parent is in the tree, since a prefix is at least
-    as frequent as the paths under it."""
+def frequency_tree(seqs: list[list[list[int]]], nodes: int, max_rank: int = 8) -> list[Path_]:
+    """The ``nodes`` rank paths that most often prefix the target's ranks, most frequent first
+    (ties: shallower first, then lower ranks); every path comes after its parent, since a
+    prefix is at least as frequent as the paths under it."""
     counts: Counter[Path_] = Counter()
     for ranks in seqs:
         for row in ranks:
@@ -75,13 +76,36 @@ def frequency_tree(seqs: list[list[list[int]]], nodes: int, max_rank: int = 8) -
                 if row[d - 1] >= max_rank:
                     break
                 counts[tuple(row[:d])] += 1
-    tree: set[Path_] = set()
+    tree: list[Path_] = []
     for path, _ in sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0])):
         if len(tree) == nodes:
             break
         if len(path) == 1 or path[:-1] in tree:
-            tree.add(path)
+            tree.append(path)
     return tree
+
+
+def tree_file(seqs: list[list[list[int]]], nodes: int) -> dict:
+    """``tree.json`` for a draft (``engine.spec.tree``): the ``nodes`` most frequent rank
+    paths in order, and each node's acceptance when its parent is accepted, counted at the
+    positions a one-stream walk verifying that tree visits (the served figure, not every
+    position's: those overstate served acceptance)."""
+    paths = frequency_tree(seqs, nodes)
+    index = {p: i for i, p in enumerate(paths)}
+    tree = set(paths)
+    hits, trials = [0] * len(paths), [0] * len(paths)
+    for ranks in seqs:
+        p = 0
+        while p < len(ranks):
+            row = ranks[p]
+            depth = tree_accepts(row, tree)
+            for path, i in index.items():
+                if tuple(row[: len(path) - 1]) == path[:-1]:  # its parent was accepted
+                    trials[i] += 1
+                    hits[i] += tuple(row[: len(path)]) == path
+            p += depth + 1
+    return {"paths": [list(p) for p in paths],
+            "conditional": [round(h / t, 4) if t else 0.0 for h, t in zip(hits, trials)]}
 
 
 def step_ms(rows: int, costs: list[float], row_ms: float) -> float:
@@ -101,7 +125,7 @@ def simulate(seqs: list[list[list[int]]], nodes: list[int], fit_fraction: float,
         rows.append({"kind": f"chain K={k}", "rows": k,
                      "accept": walk(held, lambda r, k=k: chain_accepts(r, k))})
     for n in nodes:
-        tree = frequency_tree(fit, n)
+        tree = set(frequency_tree(fit, n))
         rows.append({"kind": f"tree, {n} nodes, depth {max(map(len, tree))}", "rows": n,
                      "accept": walk(held, lambda r, t=tree: tree_accepts(r, t))})
     for r in rows:
@@ -109,11 +133,15 @@ def simulate(seqs: list[list[list[int]]], nodes: list[int], fit_fraction: float,
     return rows
 
 
-def measure_ranks(data: Path, draft_dir: Path, model: str, taps: list[int]) -> list[list[list[int]]]:
+def measure_ranks(data: Path, draft_dir: Path, model: str, taps: list[int],
+                  val_split: int = 0) -> list[list[list[int]]]:
     import train_dflash as td
 
     draft, frozen = load_draft(draft_dir, model)
-    return [td.slot_ranks(draft, frozen, seq).tolist() for seq in td.load_sequences(data, taps)]
+    seqs = td.load_sequences(data, taps)
+    if val_split:
+        seqs = td.split_sequences(seqs, val_split, 0)[0]
+    return [td.slot_ranks(draft, frozen, seq).tolist() for seq in seqs]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,8 +157,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft-ms", type=float, default=DRAFT_MS)
     p.add_argument("--row-ms", type=float, default=STEP_MS[-1] - STEP_MS[-2],
                    help="ms each verified row adds past the last --step-ms entry (assumed)")
+    p.add_argument("--val-split", type=int, default=0,
+                   help="use only the validation sequences train_dflash.py draws from this "
+                        "folder (--val-sequences N, --seed 0): data the draft never trained on")
+    p.add_argument("--write-tree", type=Path, default=None,
+                   help="write tree.json (--tree-nodes paths fitted on all the sequences) here")
+    p.add_argument("--tree-nodes", type=int, default=8)
     args = p.parse_args(argv)
-    seqs = [s for s in measure_ranks(args.data, args.draft, args.model, args.taps) if s]
+    seqs = [s for s in measure_ranks(args.data, args.draft, args.model, args.taps,
+                                     args.val_split) if s]
+    if args.write_tree is not None:
+        import json
+
+        data = tree_file(seqs, args.tree_nodes)
+        args.write_tree.write_text(json.dumps(data) + "\n")
+        print(f"wrote {args.write_tree}: {data}")
     rows = simulate(seqs, args.nodes, args.fit_fraction, args.step_ms, args.draft_ms, args.row_ms)
     cut = int(len(seqs) * args.fit_fraction)
     print(f"{args.data}: trees fitted on {cut} sequences, measured on {len(seqs) - cut}")

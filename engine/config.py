@@ -89,6 +89,9 @@ class SpeculativeConfig:
     # False: every request drafts and verifies num_speculative_tokens (fixed K, experiments)
     adaptive: bool = True
     disable_by_batch_size: int | None = None  # no drafts while more requests than this sample
+    # which drafts a DFlash block offers (engine.spec.tree): None = the draft's tree.json if it
+    # ships one, else a chain; "chain"; or a list of rank paths, e.g. [[0], [0, 0], [1]]
+    tree: Any = field(default=None, hash=False, compare=False)
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -165,6 +168,22 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}",
                 "speculative_config.num_speculative_tokens",
             )
+        tree = value.get("tree")
+        if tree is not None and tree != "chain":
+            if method != "dflash":
+                raise ConfigError(
+                    f"speculative_config.tree needs method 'dflash' (a DFlash draft proposes "
+                    f"every slot's alternatives at once), not {method!r}",
+                    "speculative_config.tree",
+                )
+            from engine.spec.tree import DraftTree, TreeError
+
+            try:
+                DraftTree.from_paths(tree)
+            except TreeError as exc:
+                raise ConfigError(f"speculative_config.tree: {exc} (or \"chain\")",
+                                  "speculative_config.tree") from exc
+            value = {**value, "tree": [list(p) for p in tree]}
         return cls(**{**value, "method": method})
 
 

@@ -111,6 +111,8 @@ class PaddedPasses:
         return batch.num_tokens if self.q_len == 1 else len(batch.q_lens)
 
     def fits(self, batch: AttentionBatch) -> bool:
+        if batch.tree_masks is not None:  # tree verification steps run eagerly
+            return False
         if not batch.q_lens or self.config.size_for(self.entries(batch)) is None:
             return False
         if self.q_len == 1:

@@ -46,6 +46,9 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens run through the target this step (spec tokens included)
     spec_token_ids: list[int]  # draft tokens being verified (the tail of the scheduled tokens)
     draft: bool = False  # propose drafts for the next step (if a token is sampled)
+    # a tree of drafts (engine.spec.tree): spec_parents[j - 1] is the window row of draft j's
+    # parent (0: the last known token); None: a chain, each draft's parent the one before it
+    spec_parents: list[int] | None = None
 
     @property
     def request_id(self) -> str:
@@ -85,6 +88,8 @@ class StepResult:
 
     sampled: dict[str, list[int]]
     num_accepted: dict[str, int] = field(default_factory=dict)
+    # tree windows: the accepted nodes (1-based window rows, root excluded), in depth order
+    accepted_paths: dict[str, list[int]] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     elapsed: float = 0.0  # wall seconds the runner spent on the step (models and sampling)

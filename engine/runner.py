@@ -12,6 +12,7 @@ from engine.graphs import PaddedPasses
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.sampler import RowGroup, Sampler
 from engine.spec.base import ProposalItem, Proposer
+from engine.spec.tree import window_depths, window_masks
 from models.llama import LlamaForCausalLM
 
 
@@ -21,6 +22,24 @@ def slot_list(table: list[int], start: int, end: int, block_size: int) -> list[i
     Plain Python: a step builds one tensor from all requests' slots instead of a few small
     tensor ops per request."""
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def slot_list_at(table: list[int], positions: list[int], block_size: int) -> list[int]:
+    """Slot of each of ``positions`` (any order)."""
+    return [table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def copy_slots(kv_layers: list[LayerKV], src: list[int], dst: list[int],
+               device: torch.device) -> None:
+    """Copy the K/V of slots ``src`` to slots ``dst`` in every layer (all sources are read
+    before any destination is written)."""
+    bs = kv_layers[0].block_size
+    s = torch.tensor(src, dtype=torch.long, device=device)
+    d = torch.tensor(dst, dtype=torch.long, device=device)
+    sb, so, db, do = s // bs, s % bs, d // bs, d % bs
+    for kv in kv_layers:
+        pages = kv.logical  # [blocks, 2, bs, H, D] (a view in either layout)
+        pages[db, :, do] = pages[sb, :, so]
 
 
 def slots_for(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
@@ -59,26 +78,42 @@ class ModelRunner:
         groups: list[RowGroup] = []
         logit_rows: list[int] = []
         row_of: dict[str, int] = {}
+        masks: list[int] | None = None  # attention tree masks, once a tree window is seen
         for item in plan.scheduled:
             req = item.request
             start, n = req.num_computed_tokens, item.num_new_tokens
             known = n - len(item.spec_token_ids)
             row_of[req.request_id] = len(ids)
             ids.extend(req.tokens(start, start + known) + item.spec_token_ids)
-            positions.extend(range(start, start + n))
+            parents = item.spec_parents
+            if parents is None:
+                positions.extend(range(start, start + n))
+            else:
+                # a tree window: node j at the root's position plus its depth, in slot
+                # root + j; it sees its ancestors (engine.spec.tree)
+                root = start + known - 1
+                positions.extend(range(start, root))
+                positions.extend(root + d for d in window_depths(parents))
+                if masks is None:
+                    masks = [0] * (len(ids) - n)
+                masks.extend([0] * (known - 1) + window_masks(parents, known - 1))
+            if masks is not None and parents is None:
+                masks.extend([0] * n)
             slots.extend(slot_list(req.block_table, start, start + n, self.block_size))
             q_lens.append(n)
             kv_lens.append(start + n)
             tables.append(tuple(req.block_table))
             if item.samples:
                 first = len(ids) - len(item.spec_token_ids) - 1
-                groups.append(RowGroup(req, len(logit_rows), list(item.spec_token_ids)))
+                groups.append(RowGroup(req, len(logit_rows), list(item.spec_token_ids),
+                                       parents))
                 logit_rows.extend(range(first, len(ids)))
 
         batch = AttentionBatch(
             q_lens=tuple(q_lens), kv_lens=tuple(kv_lens), block_tables=tuple(tables),
             slot_mapping=torch.tensor(slots, dtype=torch.long), causal=True,
             block_size=self.block_size,
+            tree_masks=None if masks is None else torch.tensor(masks, dtype=torch.long),
         )
         capture = self.proposer.capture_layers if self.proposer is not None else ()
         hidden, captured = self.run_target(ids, torch.tensor(positions, dtype=torch.long), batch,
@@ -90,8 +125,12 @@ class ModelRunner:
             for rid, res in self.sampler(logits, groups).items():
                 result.sampled[rid] = res.tokens
                 result.num_accepted[rid] = res.num_accepted
+                if res.path is not None:
+                    result.accepted_paths[rid] = res.path
                 if res.logprobs is not None:
                     result.logprobs[rid] = res.logprobs
+            if masks is not None:
+                captured = self._keep_paths(plan, row_of, result, captured)
         if self.proposer is not None:
             items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
             result.drafts = self.proposer.propose(items, captured)
@@ -114,6 +153,38 @@ class ModelRunner:
             self.kv_layers,
             capture,
         )
+
+    def _keep_paths(self, plan: StepPlan, row_of: dict[str, int], result: StepResult,
+                    captured: torch.Tensor | None) -> torch.Tensor | None:
+        """Move each tree window's accepted nodes to the slots (and captured rows) of their
+        depths, so the request's K/V and its draft context read as a chain from here on.
+        Nodes already at their depth (the first branch) stay where they are."""
+        src_slots: list[int] = []
+        dst_slots: list[int] = []
+        src_rows: list[int] = []
+        dst_rows: list[int] = []
+        for item in plan.scheduled:
+            path = result.accepted_paths.get(item.request_id)
+            if not path or path == list(range(1, len(path) + 1)):
+                continue
+            req = item.request
+            root = req.num_computed_tokens + item.num_new_tokens - len(item.spec_token_ids) - 1
+            row = row_of[item.request_id] + root - req.num_computed_tokens
+            moved = [(d, j) for d, j in enumerate(path, start=1) if d != j]
+            src_slots += slot_list_at(req.block_table, [root + j for _, j in moved],
+                                      self.block_size)
+            dst_slots += slot_list_at(req.block_table, [root + d for d, _ in moved],
+                                      self.block_size)
+            src_rows += [row + j for _, j in moved]
+            dst_rows += [row + d for d, _ in moved]
+        if not src_slots:
+            return captured
+        copy_slots(self.kv_layers, src_slots, dst_slots, self.device)
+        if captured is not None:
+            src = torch.tensor(src_rows, dtype=torch.long, device=captured.device)
+            dst = torch.tensor(dst_rows, dtype=torch.long, device=captured.device)
+            captured = captured.index_copy(0, dst, captured.index_select(0, src))
+        return captured
 
     @staticmethod
     def _proposal_item(

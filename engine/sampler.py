@@ -31,6 +31,7 @@ import torch
 from engine.outputs import Logprob
 from engine.request import Request
 from engine.spec import rejection
+from engine.spec.tree import accepted_path, window_depths
 from models.layers import argmax
 
 
@@ -39,6 +40,25 @@ class RowGroup:
     request: Request
     start: int  # first logits row of this request
     drafts: list[int]  # draft tokens verified by rows start+1.. (empty for plain decode)
+    # a tree window (engine.spec.tree): parents[j - 1] is the row of draft j's parent; None: a
+    # chain (draft j follows draft j - 1)
+    parents: list[int] | None = None
+
+    def depths(self) -> list[int]:
+        """Tokens before each row's in the window (row 0: the root)."""
+        if self.parents is None:
+            return list(range(len(self.drafts) + 1))
+        return window_depths(self.parents)
+
+    def history(self, row: int) -> list[int]:
+        """The drafts on the way to ``row`` (its ancestors' tokens, root excluded)."""
+        if self.parents is None:
+            return self.drafts[:row]
+        out = []
+        while row:
+            out.append(self.drafts[row - 1])
+            row = self.parents[row - 1]
+        return out[::-1]
 
 
 @dataclass
@@ -46,6 +66,7 @@ class SampleResult:
     tokens: list[int]
     num_accepted: int
     logprobs: list[Logprob] | None
+    path: list[int] | None = None  # a tree window's accepted rows (1-based), in depth order
 
 
 class Sampler:
@@ -68,6 +89,7 @@ class Sampler:
         if not groups:
             return {}
         proposed = {id(g): p for g in groups if g.drafts and not g.request.params.greedy
+                    and g.parents is None
                     and (p := rejection.take(g.request, g.drafts)) is not None}
         if proposed:  # drafts sampled from a recorded q (DFlash2): engine/spec/rejection.py
             out = {g.request.request_id: rejection.verify(self, logits, g, proposed[id(g)])
@@ -107,6 +129,8 @@ class Sampler:
                 min_p=any(p > 0.0 for p in plan.sample_params[2::4]),
             )
             uniforms, states = self._draw(plan, dev)
+            if plan.sample_draw is not None:  # tree windows: a row uses its depth's draw
+                uniforms = uniforms.index_select(0, _to_device(plan.sample_draw, torch.long, dev))
             tokens.index_copy_(0, s_idx, _inverse_cdf(probs, uniforms))
         else:
             states = {}
@@ -164,23 +188,24 @@ class Sampler:
         for gi, g in enumerate(plan.groups):
             first = plan.group_row[gi]
             window = tokens[first : first + len(g.drafts) + 1]
-            n = 0
-            while n < len(g.drafts) and g.drafts[n] == window[n]:
-                n += 1
-            emitted = window[: n + 1]
-            if gi in states and n + 1 < len(window):
+            path = accepted_path(g.parents, g.drafts, window)
+            n = len(path)
+            rows = [0, *path]  # the rows whose tokens are emitted, root first
+            emitted = [window[r] for r in rows]
+            if gi in states and n < len(states[gi][1]):
                 gen, saved = states[gi]
                 gen.set_state(saved[n])  # as if only n + 1 rows had been drawn
             logprobs = None
             if gi in plan.lp_top:
                 logprobs = []
                 want = plan.lp_top[gi]
-                for k, tok in enumerate(emitted):
-                    i = lp_pos[first + k]
+                for r, tok in zip(rows, emitted):
+                    i = lp_pos[first + r]
                     base = i * top_n
                     top = {int(top_ids[base + j]): top_vals[base + j] for j in range(want)}
                     logprobs.append(Logprob(token_id=tok, logprob=chosen[i], top=top))
-            results[g.request.request_id] = SampleResult(emitted, n, logprobs)
+            results[g.request.request_id] = SampleResult(
+                emitted, n, logprobs, path if g.parents is not None else None)
         return results
 
 
@@ -202,6 +227,10 @@ class _HostPlan:
         self.num_pen_groups = 0
         # sampling (non-greedy) rows
         self.sample_rows: list[int] = []
+        # per sampled row, which of the drawn uniforms it uses (None: one draw per row, in
+        # order); rows of a tree window at one depth share that depth's draw, so draw j is
+        # always the request's j-th token's, as without speculation
+        self.sample_draw: list[int] | None = None
         self.sample_params: list[float] = []  # (temperature, top_p, min_p, 0) per row
         self.sample_top_k: list[int] = []  # 0 = off
         self.sample_spans: list[tuple[int, int]] = []  # (group, rows) in sampled-row order
@@ -209,9 +238,11 @@ class _HostPlan:
         # logprobs
         self.lp_rows: list[int] = []
         self.lp_top: dict[int, int] = {}  # group -> top-N
+        draws = 0  # uniforms drawn so far (in sample_spans order)
         for gi, g in enumerate(groups):
             req, params = g.request, g.request.params
             width = len(g.drafts) + 1
+            depths = g.depths()
             first = len(self.source_rows)
             self.group_row.append(first)
             self.source_rows.extend(range(g.start, g.start + width))
@@ -221,7 +252,7 @@ class _HostPlan:
                 if not params.ignore_eos:
                     banned += list(req.eos_token_ids)
                 for k in range(width):
-                    if done + k < params.min_tokens:
+                    if done + depths[k] < params.min_tokens:
                         self.ban_flat.extend((first + k) * vocab + t for t in banned)
             if params.needs_penalties:
                 pg = self.num_pen_groups
@@ -235,16 +266,22 @@ class _HostPlan:
                     self.pen_group.append(pg)
                     self.pen_factors += [params.repetition_penalty, params.frequency_penalty,
                                          params.presence_penalty]
-                    self.pen_draft_flat.extend(pr * vocab + t for t in g.drafts[:k])
+                    self.pen_draft_flat.extend(pr * vocab + t for t in g.history(k))
             if not params.greedy:
                 self.sample_rows.extend(range(first, first + width))
                 k = params.top_k if 0 < params.top_k < vocab else 0
                 for _ in range(width):
                     self.sample_params += [params.temperature, params.top_p, params.min_p, 0.0]
                     self.sample_top_k.append(k)
-                self.sample_spans.append((gi, width))
+                count = max(depths) + 1
+                if g.parents is not None and self.sample_draw is None:
+                    self.sample_draw = list(range(len(self.sample_rows) - width))
+                if self.sample_draw is not None:
+                    self.sample_draw.extend(draws + d for d in depths)
+                draws += count
+                self.sample_spans.append((gi, count))
                 if params.seed is None:
-                    self.num_unseeded += width
+                    self.num_unseeded += count
             if params.logprobs is not None:
                 self.lp_rows.extend(range(first, first + width))
                 self.lp_top[gi] = min(params.logprobs, vocab)

@@ -25,6 +25,7 @@ class Scheduler:
         self.blocks = blocks
         self.lookahead = lookahead  # extra slots a request needs for the next draft block
         self.controller = controller
+        self.tree = controller.tree if controller is not None else None  # engine.spec.tree
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -73,7 +74,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens + len(spec), budget)
             if not self._reserve(req, num_new, plan):
                 break  # req itself was preempted; everything after it already was
-            plan.scheduled.append(ScheduledRequest(req, num_new, spec, decision.draft))
+            parents = self.tree.window_parents(len(spec)) if self.tree and spec else None
+            plan.scheduled.append(ScheduledRequest(req, num_new, spec, decision.draft, parents))
             budget -= num_new
             i += 1
         while (
@@ -129,10 +131,14 @@ class Scheduler:
         return req.spec_token_ids[: self._spec_room(req, budget)]
 
     def _spec_room(self, req: Request, budget: int) -> int:
-        room = min(budget - 1, self.config.max_model_len - req.num_tokens)
+        """Drafts ``req`` may verify: within the budget and the context (each draft is a
+        row and a slot) and, for the tokens it can add, ``max_tokens``. A tree's leading
+        nodes count as many rows as nodes but add at most their depth in tokens."""
+        slots = max(0, min(budget - 1, self.config.max_model_len - req.num_tokens))
+        depth = slots
         if req.params.max_tokens is not None:
-            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-        return max(0, room)
+            depth = max(0, min(depth, req.params.max_tokens - req.num_output_tokens - 1))
+        return depth if self.tree is None else self.tree.nodes_within(depth, slots)
 
     def _slots(self, req: Request, num_new: int) -> int:
         end = req.num_computed_tokens + num_new
@@ -185,7 +191,8 @@ class Scheduler:
                 decoding += item.num_new_tokens == 1 + len(item.spec_token_ids)
                 if req.spec_rates is None:
                     req.spec_rates = ctl.acceptance.new_request()
-                ctl.observe(req.spec_rates, len(item.spec_token_ids), accepted)
+                ctl.observe(req.spec_rates, len(item.spec_token_ids), accepted,
+                            result.accepted_paths.get(rid))
             req.spec_token_ids = []
             tokens = result.sampled.get(rid, [])
             logprobs = result.logprobs.get(rid)

@@ -165,6 +165,10 @@ class FlashInferBackend:
         return self._wrappers[key]
 
     def build_metadata(self, batch: AttentionBatch, device: torch.device) -> FlashInferMetadata:
+        if batch.tree_masks is not None:
+            raise NotImplementedError(
+                "tree masks are not supported by the flashinfer backend yet; use the torch "
+                "backend (attention_backend='torch') for tree verification")
         slots = batch.slot_mapping.cpu()  # the runner builds it on the host: no copy back
         idx = SlotIndex.build(slots, batch.block_size)
         idx = SlotIndex(

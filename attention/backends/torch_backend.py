@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attention.backends.base import AttentionBatch
+from attention.backends.base import TREE_MAX_Q, AttentionBatch, check_tree_masks
 from attention.dtypes import dtype_name
 from attention.kv import LayerKV, SlotIndex, gather_kv, write_kv
 
@@ -74,6 +74,8 @@ class TorchBackend:
     ) -> TorchMetadata | PagedMetadata:
         if device.type == "cpu" and cpu_kernel_choice(self.cpu_kernel) == "paged":
             return build_paged_metadata(batch, device)
+        if batch.tree_masks is not None:  # (the paged kernel checks them itself)
+            check_tree_masks(batch.q_lens, batch.tree_masks)
         starts = [0]
         for n in batch.q_lens:
             starts.append(starts[-1] + n)
@@ -127,14 +129,17 @@ def _make_bucket(
     if batch.causal:
         # query j of a request sits at absolute position kv_len - q_len + j
         visible = visible & (k_pos[None, None, :] <= (kl - ql + q_pos[None, :, None]))
-    needs_mask = batch.causal and max_q > 1 or any(k != span for k in kv_lens)
+    tree = batch.tree_masks is not None and _apply_tree_masks(visible, reqs, batch, starts,
+                                                              k_pos)
+    needs_mask = batch.causal and max_q > 1 or any(k != span for k in kv_lens) or tree
     mask = visible[:, None].to(device) if needs_mask else None
     kv_len, is_causal = None, False
     if len(reqs) == 1:
         # one request: cut the gathered span to its length, so SDPA needs no mask at all
         kv_len = kv_lens[0]
-        mask = visible[:, None, :, :kv_len].to(device) if batch.causal and max_q > 1 else None
-        if mask is not None and max_q == kv_len:
+        mask = (visible[:, None, :, :kv_len].to(device) if batch.causal and max_q > 1 or tree
+                 else None)
+        if mask is not None and max_q == kv_len and not tree:
             mask, is_causal = None, True  # plain prefill: top-left causal is the same thing
     uniform = all(q == max_q for q in q_lens)
     token_index = torch.cat([torch.arange(starts[i], starts[i] + batch.q_lens[i]) for i in reqs])
@@ -150,6 +155,29 @@ def _make_bucket(
         block_tables=tables.to(device), mask=mask, batch=len(reqs), max_q=max_q,
         kv_len=kv_len, is_causal=is_causal,
     )
+
+
+def _apply_tree_masks(visible: torch.Tensor, reqs: list[int], batch: AttentionBatch,
+                      starts: list[int], k_pos: torch.Tensor) -> bool:
+    """Restrict the rows of ``visible [B, max_q, span]`` that carry a nonzero tree mask to
+    their request's context ``[0, base)`` plus the query-block offsets set in the mask; True
+    when any row of the bucket has one."""
+    masks = batch.tree_masks
+    any_tree = False
+    for row, i in enumerate(reqs):
+        q_len, kv_len = batch.q_lens[i], batch.kv_lens[i]
+        m = masks[starts[i]: starts[i] + q_len]
+        rows = m != 0
+        if not bool(rows.any()):
+            continue
+        any_tree = True
+        base = kv_len - q_len
+        off = k_pos - base
+        in_block = (off >= 0) & (off < min(q_len, TREE_MAX_Q))
+        bits = (m[:, None] >> off.clamp(0, TREE_MAX_Q - 1)[None, :]) & 1
+        tree_vis = (k_pos < base)[None, :] | (in_block[None, :] & (bits != 0))
+        visible[row, :q_len] = torch.where(rows[:, None], tree_vis, visible[row, :q_len])
+    return any_tree
 
 
 @dataclass
@@ -210,8 +238,11 @@ def build_paged_metadata(batch: AttentionBatch, device: torch.device) -> PagedMe
         cols = torch.arange(flat.numel()) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
         tables[rows, cols] = flat
     slots = SlotIndex.build(batch.slot_mapping, batch.block_size, device)
+    masks = batch.tree_masks
+    if masks is not None:  # the kernel checks them (every layer: a pass over N integers)
+        masks = masks.to(device=device, dtype=torch.long).contiguous()
     return PagedMetadata(slots, tables.to(device), q_indptr.to(device), kv_lens.to(device),
-                         batch.causal, batch.num_tokens)
+                         batch.causal, batch.num_tokens, masks)
 
 
 @dataclass
@@ -222,6 +253,7 @@ class PagedMetadata:
     kv_lens: torch.Tensor  # [B] int64
     causal: bool
     num_tokens: int
+    tree_masks: torch.Tensor | None = None  # [num_tokens] int64 (AttentionBatch.tree_masks)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, scale: float
@@ -233,5 +265,5 @@ class PagedMetadata:
             return q.new_empty(q.shape)
         return cpu_kernel.paged_attention(
             q, kv.logical, self.block_tables, self.q_indptr, self.kv_lens, self.causal, scale,
-            kv.k_scale, kv.v_scale,
+            kv.k_scale, kv.v_scale, tree_masks=self.tree_masks,
         )

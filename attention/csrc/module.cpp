@@ -2,11 +2,13 @@
 
 #include <torch/extension.h>
 
+#include <optional>
 #include <tuple>
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                               torch::Tensor q_indptr, torch::Tensor kv_lens, bool causal,
-                              double scale, double k_scale, double v_scale, int64_t tile);
+                              double scale, double k_scale, double v_scale, int64_t tile,
+                              std::optional<torch::Tensor> tree_masks);
 bool paged_attention_self_check();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
@@ -20,7 +22,10 @@ torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TORCH_CHECK(paged_attention_self_check(), "paged attention: kSlot does not match reduce16");
-  m.def("paged_attention", &paged_attention, "Batch-invariant paged attention (CPU)");
+  m.def("paged_attention", &paged_attention, "Batch-invariant paged attention (CPU)",
+        py::arg("q"), py::arg("cache"), py::arg("block_tables"), py::arg("q_indptr"),
+        py::arg("kv_lens"), py::arg("causal"), py::arg("scale"), py::arg("k_scale"),
+        py::arg("v_scale"), py::arg("tile"), py::arg("tree_masks") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x) (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] (CPU)");

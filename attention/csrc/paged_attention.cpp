@@ -18,6 +18,20 @@
 // dot products, see qk_dot_bf16); every other case converts each 16-position block to a float
 // buffer first (load_block).
 //
+// Tree masks (``AttentionBatch.tree_masks``): a row of a draft tree sees its request's context
+// [0, base) plus the query-block offsets set in its mask (its ancestors and itself), and must
+// give bitwise what a plain causal row gives over the same K/V stored in logical order (the
+// ancestors at base, base + 1, ...). Three facts make that cheap: a score depends only on the
+// query and that position's K (every position goes through the same operations: qk_block,
+// qk_generic, qk_bf16, qk_dot_bf16 and reduce16 treat all 16 lanes alike); the max is exact,
+// so order-free, but the denominator sums in 16 lanes by position mod 16, so positions matter
+// there; and P.V adds p_j * v_j in order of j, so exact zeros p_j = 0 interleaved with the
+// visible positions change nothing (the accumulator starts at +0 and is never -0). So a tree
+// row's scores are computed over its physical extent (base + its offset + 1, as a causal row
+// at that offset), compacted into logical order before the softmax, which then runs exactly
+// as for a causal row of the logical length, and scattered back (zeros at the hidden offsets)
+// for the P.V pass over the physical extent.
+//
 // Work is split into tasks (request, tile of query positions), each over every kv head, so a
 // task sweeps each page's K (then V) of all heads at once (in NHD one run of memory per
 // position); when there are too few to busy every thread (a lone decode), one task per kv head.
@@ -32,6 +46,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -478,11 +493,29 @@ void value_block_bf16(const c10::BFloat16* cache, const Geometry& geo, const int
   }
 }
 
+// A tree row's mask ``m`` (highest set bit: its offset ``i``) on its scores ``sr``, whose
+// context is [0, base): move the scores of the set offsets to base, base + 1, ... (logical
+// order); returns the logical length.
+inline int64_t tree_compact(float* sr, int64_t base, int64_t i, int64_t m) {
+  int64_t k = base;
+  for (int64_t t = 0; t <= i; ++t)
+    if ((m >> t) & 1) sr[k++] = sr[base + t];
+  return k;
+}
+
+// The inverse, on the probabilities: the k-th set offset t_k gets base + k's value (visiting
+// offsets downwards, so nothing is overwritten before it is read: k <= t_k), every other
+// offset up to i gets an exact zero.
+inline void tree_scatter(float* sr, int64_t base, int64_t i, int64_t m) {
+  int64_t k = base + __builtin_popcountll(static_cast<unsigned long long>(m)) - 1;
+  for (int64_t t = i; t >= 0; --t) sr[base + t] = (m >> t) & 1 ? sr[k--] : 0.0f;
+}
+
 template <typename QT, typename T>
 void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
          const int64_t* q_indptr, const int64_t* kv_lens, int64_t num_reqs, int64_t Hq,
          int64_t Hkv, int64_t D, bool causal, float scale, float k_scale, float v_scale,
-         bool use_scale, int64_t tile) {
+         bool use_scale, int64_t tile, const int64_t* tree_masks) {
   const int64_t G = Hq / Hkv;
   // bfloat16 pages (no fp8 scale) with a head size of 64 or 128: the register-converting path
   const bool fast = std::is_same_v<T, c10::BFloat16> && (D == 64 || D == 128);
@@ -606,8 +639,18 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
       // softmax numerators and denominators, row by row
       denom.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = n_of[r];
+        int64_t n = n_of[r];
         float* sr = scores.data() + r * n_pad;
+        // a tree row (not a plain causal one, bits 0..i): softmax in logical order
+        int64_t tree = 0, ti = 0;
+        if (tree_masks != nullptr) {
+          ti = i0 + r / per_pos;
+          const int64_t m = tree_masks[q_indptr[b] + ti];
+          if (m != 0 && static_cast<uint64_t>(m) != (uint64_t{2} << ti) - 1) {
+            tree = m;
+            n = tree_compact(sr, kv_len - q_len, ti, m);
+          }
+        }
         // the maximum in 16 lanes, then across them: max is exact, so the order is free
         float m = sr[0];
         if (n >= kLanes) {
@@ -630,6 +673,7 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
         for (int w = kLanes / 2; w >= 1; w /= 2)
           for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
         denom[r] = lane[0];
+        if (tree) tree_scatter(sr, kv_len - q_len, ti, tree);
       }
       // weighted sum of V in order of position
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -695,7 +739,8 @@ void run(const QT* q, QT* out, const T* cache, const Geometry& geo,
 // Returns [N, Hq, D] in q's dtype (computed in float32, rounded once at the end).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                               torch::Tensor q_indptr, torch::Tensor kv_lens, bool causal,
-                              double scale, double k_scale, double v_scale, int64_t tile) {
+                              double scale, double k_scale, double v_scale, int64_t tile,
+                              std::optional<torch::Tensor> tree_masks) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 ||
                    q.scalar_type() == at::kHalf),
@@ -723,6 +768,31 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     TORCH_CHECK((kl[b] + cache.size(2) - 1) / cache.size(2) <= block_tables.size(1),
                 "request ", b, ": block table too short for kv_len ", kl[b]);
   }
+  // tree masks (see AttentionBatch.tree_masks): per packed query row, 0 (causal) or the row's
+  // visible query-block offsets as bits, the highest one the row's own offset
+  const int64_t* tm = nullptr;
+  if (tree_masks.has_value() && tree_masks->defined()) {
+    const torch::Tensor& t = *tree_masks;
+    TORCH_CHECK_VALUE(causal, "tree masks need causal attention");
+    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                    t.device().is_cpu() && t.size(0) == q.size(0),
+                "tree_masks must be a contiguous int64 host tensor of ", q.size(0),
+                " entries (one per query row)");
+    tm = t.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t q_len = qi[b + 1] - qi[b];
+      for (int64_t i = 0; i < q_len; ++i) {
+        const int64_t m = tm[qi[b] + i];
+        if (m == 0) continue;
+        TORCH_CHECK_VALUE(q_len <= 63, "tree masks: request ", b, " has q_len ", q_len,
+                          " > 63");
+        TORCH_CHECK_VALUE((m >> i) == 1, "tree masks: request ", b, ", query row ", i,
+                          ": mask ", m, " has its highest set bit at ",
+                          63 - __builtin_clzll(static_cast<unsigned long long>(m)),
+                          ", must be the row's own offset ", i);
+      }
+    }
+  }
   auto out = torch::empty_like(q);
   Geometry geo{block_tables.data_ptr<int64_t>(), block_tables.size(1), cache.stride(0),
                cache.stride(1), cache.stride(2), cache.stride(3), cache.size(2)};
@@ -732,7 +802,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   auto go = [&](auto* ptr) {
     auto with_q = [&](auto* qp, auto* op) {
       run(qp, op, ptr, geo, qi, kl, B, Hq, Hkv, D, causal, static_cast<float>(scale),
-          static_cast<float>(k_scale), static_cast<float>(v_scale), use_scale, tile);
+          static_cast<float>(k_scale), static_cast<float>(v_scale), use_scale, tile, tm);
     };
     switch (q.scalar_type()) {
       case at::kFloat: with_q(q.data_ptr<float>(), out.data_ptr<float>()); break;

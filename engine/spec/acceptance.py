@@ -59,18 +59,34 @@ class DecayedRates:
             self.hits[j] = self.decay * self.hits[j] + (1.0 if j < num_accepted else 0.0)
             self.trials[j] = self.decay * self.trials[j] + 1.0
 
+    def observe_tree(self, parents: tuple[int, ...], num_verified: int, path: list[int]
+                     ) -> None:
+        """A tree window: node ``j`` was tried when it was verified and its parent accepted
+        (the root always is) and hit when it is on the accepted ``path``."""
+        on_path = {0, *path}
+        for j in range(num_verified):
+            if parents[j] in on_path:
+                self.hits[j] = self.decay * self.hits[j] + (1.0 if j + 1 in on_path else 0.0)
+                self.trials[j] = self.decay * self.trials[j] + 1.0
+
     def rates(self, prior: list[float], prior_weight: float) -> list[float]:
         return [(h + prior_weight * p) / (t + prior_weight)
                 for h, t, p in zip(self.hits, self.trials, prior)]
 
 
 class AcceptanceModel:
-    """Engine-wide and per-request conditional acceptance curves for ``K`` positions."""
+    """Engine-wide and per-request conditional acceptance curves for ``K`` positions, or for
+    the ``K`` nodes of a tree of drafts (``parents``, see ``engine.spec.tree``): node ``j``'s
+    rate is then its chance of acceptance when its parent is accepted."""
 
     def __init__(self, k: int, seed_curve: list[float] | None = None, *,
+                 parents: tuple[int, ...] | None = None,
                  seed_weight: float = 16.0, global_decay: float = 0.98,
                  request_weight: float = 4.0, request_decay: float = 0.85) -> None:
+        if parents is not None and len(parents) != k:
+            raise ValueError(f"{len(parents)} parents for {k} nodes")
         self.k = k
+        self.parents = parents
         curve = list(seed_curve or [])[:k]
         curve += [curve[-1] if curve else DEFAULT_PRIOR] * (k - len(curve))
         self.seed = [min(max(a, 0.0), 1.0) for a in curve]
@@ -98,27 +114,45 @@ class AcceptanceModel:
         speculation to pay) no curve moves, and each step's plan reads them again."""
         if state is None:
             if self._fresh is None or self._fresh[0] != self.version:
-                self._fresh = (self.version, expected_gains(self.global_rates()))
+                self._fresh = (self.version, expected_gains(self.global_rates(), self.parents))
             return self._fresh[1]
         if state.cached is None or state.cached[0] != self.version:
-            state.cached = (self.version, expected_gains(self.rates(state)))
+            state.cached = (self.version, expected_gains(self.rates(state), self.parents))
         return state.cached[1]
 
-    def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
+    def observe(self, state: DecayedRates, num_verified: int, num_accepted: int,
+                path: list[int] | None = None) -> None:
+        """One window: ``num_verified`` drafts, ``num_accepted`` accepted; for a tree, the
+        accepted nodes (``path``, 1-based) say which nodes were tried."""
         if num_verified <= 0:
             state.age()  # the request's own curve only: the engine-wide one saw nothing
             return
-        state.observe(num_verified, num_accepted)
-        self.global_counts.observe(num_verified, num_accepted)
+        if self.parents is None:
+            state.observe(num_verified, num_accepted)
+            self.global_counts.observe(num_verified, num_accepted)
+        else:
+            path = list(range(1, num_accepted + 1)) if path is None else path
+            state.observe_tree(self.parents, num_verified, path)
+            self.global_counts.observe_tree(self.parents, num_verified, path)
         self.version += 1
 
 
-def expected_gains(rates: list[float]) -> list[float]:
-    """``g_j = a_1 * ... * a_j``: the chance that draft ``j`` is accepted (non-increasing)."""
-    out, p = [], 1.0
-    for a in rates:
-        p *= a
-        out.append(p)
+def expected_gains(rates: list[float], parents: tuple[int, ...] | None = None) -> list[float]:
+    """``g_j``, the chance that draft ``j`` is accepted: ``a_1 * ... * a_j`` for a chain, the
+    product of the rates along node ``j``'s path for a tree. A tree's gains are then made
+    non-increasing in node order (each node priced at most as its predecessors), since the
+    controller verifies leading nodes: a later node never makes an earlier one worth more."""
+    out: list[float] = []
+    if parents is None:
+        p = 1.0
+        for a in rates:
+            p *= a
+            out.append(p)
+        return out
+    raw: list[float] = []
+    for j, a in enumerate(rates):
+        raw.append(a * (raw[parents[j] - 1] if parents[j] else 1.0))
+        out.append(min(raw[-1], out[-1]) if out else raw[-1])
     return out
 
 

@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.outputs import ScheduledRequest
+from engine.spec.tree import DraftTree
 
 
 @dataclass
@@ -29,7 +30,9 @@ class ProposalItem:
 
 
 class Proposer(Protocol):
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # draft positions (the deepest draft)
+    num_drafts: int  # drafts offered per step: K for a chain, the nodes of a tree
+    tree: DraftTree | None  # engine.spec.tree; None: a chain
     capture_layers: tuple[int, ...]  # target layer ids whose outputs the proposer reads
     lookahead_slots: int  # extra KV slots a request needs past its length
     # seconds the last propose() spent drafting, apart from keeping the draft's context (the

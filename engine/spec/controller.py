@@ -36,6 +36,7 @@ from engine.spec.acceptance import AcceptanceModel, DecayedRates
 from engine.spec.cost import StepCostModel
 from engine.spec.realized import RealizedGain
 from engine.spec.stats import SpecDecodingStats
+from engine.spec.tree import DraftTree
 
 
 @dataclass
@@ -58,10 +59,13 @@ class SpecController:
     def __init__(self, k_max: int, acceptance: AcceptanceModel, cost: StepCostModel | None,
                  stats: SpecDecodingStats, *, adaptive: bool = True,
                  max_batch: int | None = None, min_gain: float = 1.0, probe_interval: int = 8,
-                 max_probe_interval: int = 256) -> None:
+                 max_probe_interval: int = 256, tree: DraftTree | None = None) -> None:
         if adaptive and cost is None:
             raise ValueError("the adaptive controller needs a step cost model")
         self.k_max = k_max
+        # drafts are the nodes of this tree, in its order (None: a chain); verifying k drafts
+        # means its first k nodes, which the scheduler lays out from it
+        self.tree = tree
         self.acceptance = acceptance
         self.cost = cost
         self.realized = RealizedGain(len(cost.rows)) if cost is not None else None
@@ -174,10 +178,12 @@ class SpecController:
         return drafting, best_ks(expected / times) if verify else none
 
     # -- feedback ------------------------------------------------------------------------------
-    def observe(self, state: DecayedRates, num_verified: int, num_accepted: int) -> None:
-        """One sampling request's step: ``num_verified`` drafts (0: a plain decode)."""
+    def observe(self, state: DecayedRates, num_verified: int, num_accepted: int,
+                path: list[int] | None = None) -> None:
+        """One sampling request's step: ``num_verified`` drafts (0: a plain decode);
+        ``path``: the accepted nodes of a tree window."""
         self.stats.observe_choice(num_verified)
-        self.acceptance.observe(state, num_verified, num_accepted)  # a plain step ages it
+        self.acceptance.observe(state, num_verified, num_accepted, path)  # a plain step ages it
         if num_verified > 0:
             self.stats.observe(num_verified, num_accepted)
 

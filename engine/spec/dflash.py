@@ -27,6 +27,7 @@ from engine.graphs import PaddedPasses, PadSpace, QueryShape, draft_sizes
 from engine.kv_pool import KVPool
 from engine.runner import slot_list
 from engine.spec.base import ProposalItem
+from engine.spec.tree import DraftTree, TreeError, load_tree, unsupported
 from engine.request import Request
 from models.dflash import (
     MASK_EMBEDDING_FILE,
@@ -125,10 +126,18 @@ class DFlashProposer:
         cache_dtype: str,
         block_size: int,
         device: torch.device,
+        tree: DraftTree | None = None,
     ) -> None:
         self.draft = draft
         self.target = target
         self.num_speculative_tokens = num_speculative_tokens
+        # the drafts offered per step: the tree's nodes (engine.spec.tree), else a chain of K
+        self.tree = tree
+        self.num_drafts = tree.num_nodes if tree is not None else num_speculative_tokens
+        # per node, its (slot, rank) cell of a [slots, ranks] top-k table of a block
+        self._tree_pick = None if tree is None else torch.tensor(
+            [(d - 1) * (tree.max_rank + 1) + r for d, r in zip(tree.depths, tree.ranks)],
+            dtype=torch.long)
         self.capture_layers = tuple(draft.config.target_layer_ids)
         self.lookahead_slots = num_speculative_tokens + 1  # the next block: p .. p+K
         self.cache_dtype = cache_dtype
@@ -190,10 +199,19 @@ class DFlashProposer:
         draft.pack_weights(target.min_rows)
         args = (draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
         if isinstance(dcfg, DFlash2Config):
+            if spec.tree not in (None, "chain"):
+                raise ConfigError(
+                    "speculative_config.tree is not supported with a DFlash2 draft (its selector "
+                    "samples one chain); drop the key", "speculative_config.tree")
             from engine.spec.dflash2 import DFlash2Proposer
 
             return DFlash2Proposer(*args, seed=config.model.seed)
-        return cls(*args)
+        try:
+            tree = load_tree(spec.tree, spec.model, k,
+                             unsupported(config.attention_backend, config.tensor_parallel_size))
+        except TreeError as exc:
+            raise ConfigError(f"speculative_config.tree: {exc}", "speculative_config.tree") from exc
+        return cls(*args, tree=tree)
 
     # -- engine wiring ---------------------------------------------------------------------
     def layer_specs(self) -> list[LayerKVSpec]:
@@ -324,10 +342,22 @@ class DFlashProposer:
         """Draft tokens from the block states ``[n, K+1, H]`` (DFlash: the argmax of every
         MASK position; DFlash2 overrides this with its selector)."""
         n, k = hidden.shape[0], hidden.shape[1] - 1
+        tree = self.tree
+        if tree is not None:
+            # node j: the ranks[j]-th best token of slot depths[j]
+            depth, width = tree.max_depth, tree.max_rank + 1
+            logits = self.draft_logits(hidden[:, 1:depth + 1].reshape(n * depth, -1))
+            top = logits.topk(width, dim=-1).indices
+            if self._vocab_ids is not None:
+                top = self._vocab_ids[top]
+            pick = self._tree_pick.to(top.device)
+            nodes = top.view(n, depth * width).index_select(1, pick)
+            return dict(zip((r.request_id for r in reqs), nodes.tolist()))
         best = argmax(self.draft_logits(hidden[:, 1:].reshape(n * k, -1)))
         if self._vocab_ids is not None:
             best = self._vocab_ids.index_select(0, best)
         return dict(zip((r.request_id for r in reqs), best.view(n, k).tolist()))
+
 
 
 def validate_draft_vocab(draft: DFlashDraftModel, target: LlamaForCausalLM) -> None:

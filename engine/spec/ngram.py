@@ -19,6 +19,8 @@ class NgramProposer:
                 f"prompt_lookup_min ({min_n}) must be >= 1 and <= prompt_lookup_max ({max_n})"
             )
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_drafts = num_speculative_tokens
+        self.tree = None  # prompt lookup offers one chain
         self.min_n, self.max_n = min_n, max_n
         self.draft_seconds = 0.0
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from attention.dtypes import dtype_name
 from engine import measure_cache
-from engine.spec.acceptance import AcceptanceModel, load_seed_curve
+from engine.spec.acceptance import DEFAULT_PRIOR, AcceptanceModel, load_seed_curve
 from engine.spec.controller import SpecController
 from engine.spec.cost import StepCostModel, measure_step_costs
 from engine.spec.stats import SpecDecodingStats
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.runner import ModelRunner
     from engine.spec.base import Proposer
+    from engine.spec.tree import DraftTree
 
 log = logging.getLogger("specserve.spec")
 
@@ -34,17 +35,32 @@ def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunn
                      blocks: BlockManager, groups: dict[str, str]) -> SpecController:
     spec = config.speculative
     assert spec is not None
-    k = proposer.num_speculative_tokens
-    acceptance = AcceptanceModel(k, load_seed_curve(spec.model) if spec.model else None)
+    k = proposer.num_drafts
+    tree = proposer.tree
+    seed = load_seed_curve(spec.model) if spec.model else None
+    if tree is not None:
+        seed = tree_seed(tree, seed)
+    acceptance = AcceptanceModel(k, seed, parents=tree.parents if tree is not None else None)
     cost, path = None, None
     if spec.adaptive:
         cost, path = step_costs(config, proposer, runner, blocks, groups)
-    ctl = SpecController(k, acceptance, cost, SpecDecodingStats(k), adaptive=spec.adaptive,
-                         max_batch=spec.disable_by_batch_size)
+    stats = SpecDecodingStats(proposer.num_speculative_tokens, max_verified=k)
+    ctl = SpecController(k, acceptance, cost, stats, adaptive=spec.adaptive,
+                         max_batch=spec.disable_by_batch_size, tree=tree)
     if path is not None:
         # costs refined by real steps replace the startup measurement in the cache
         ctl.on_refined = lambda model: measure_cache.save(path, model.to_json())
     return ctl
+
+
+def tree_seed(tree: DraftTree, chain: list[float] | None) -> list[float]:
+    """Prior acceptance of each node given its parent: the tree's measured ``conditional``
+    when it ships one; else the chain's curve at the node's depth for rank 0, halved per rank
+    beyond it (a prior only: live verifications replace it within a few dozen steps)."""
+    if tree.conditional is not None:
+        return list(tree.conditional)
+    curve = list(chain or [DEFAULT_PRIOR])
+    return [curve[min(d, len(curve)) - 1] * 0.5**r for d, r in zip(tree.depths, tree.ranks)]
 
 
 def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
@@ -52,7 +68,7 @@ def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
     """The step cost table for this machine and engine shape (cached, else measured) and
     its cache file."""
     mc, sc, spec = config.model, config.scheduler, config.speculative
-    k = proposer.num_speculative_tokens
+    k = proposer.num_drafts
     max_rows = min(sc.max_num_seqs, 64)
     max_per_row = k + 1
     max_tokens = sc.max_num_batched_tokens

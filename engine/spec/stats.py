@@ -12,14 +12,17 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    # how often a sampling request verified k drafts, k = 0..K (0: a plain decode)
+    # how often a sampling request verified k drafts, k = 0..max_verified (0: a plain decode)
     num_steps_by_k: list[int] = field(default_factory=list)
+    # drafts a window can verify: num_spec_tokens for a chain, the nodes of a tree (whose
+    # accepted tokens still count per position, at most num_spec_tokens deep)
+    max_verified: int | None = None
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
         if not self.num_steps_by_k:
-            self.num_steps_by_k = [0] * (self.num_spec_tokens + 1)
+            self.num_steps_by_k = [0] * ((self.max_verified or self.num_spec_tokens) + 1)
 
     def observe_choice(self, k: int) -> None:
         self.num_steps_by_k[k] += 1

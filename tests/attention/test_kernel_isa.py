@@ -48,6 +48,11 @@ ATTENTION_CASES = [  # (head size, q heads, kv heads, cache dtype, query dtype)
 ]
 
 
+# per query row of the attention cases (q_lens 1, 1, 8, 1, 8): 0 (causal) or a tree mask
+_TREE8 = [0b1, 0b11, 0b101, 0b1011, 0b10101, 0b100011, 0b1001011, 0b10010101]
+TREE_MASKS = torch.tensor([0, 0, *_TREE8, 0, *_TREE8], dtype=torch.long)
+
+
 def kernel_outputs(mod) -> dict[str, torch.Tensor]:
     """Every kernel on fixed random inputs: decode and verify rows over contexts of 1..301
     positions in shuffled 16-token pages, then the layer ops on bfloat16 and float32 rows."""
@@ -65,6 +70,9 @@ def kernel_outputs(mod) -> dict[str, torch.Tensor]:
         for causal in (True, False):
             out[f"attn-{d}-{hq}-{hkv}-{kv}-{q}-{causal}"] = mod.paged_attention(
                 query, cache, tables, q_indptr, lens, causal, d ** -0.5, *scales, 4)
+        # the verify blocks as draft trees (tree masks; node parents -, 0, 0, 1, 2, 1, 3, 4)
+        out[f"attn-tree-{d}-{hq}-{hkv}-{kv}-{q}"] = mod.paged_attention(
+            query, cache, tables, q_indptr, lens, True, d ** -0.5, *scales, 4, TREE_MASKS)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(7, 576, generator=gen).to(dtype)
         res = torch.randn(7, 576, generator=gen).to(dtype)

@@ -27,11 +27,24 @@ def test_walk_moves_by_accepted_plus_one_from_the_first_response_token():
 def test_frequency_tree_takes_the_commonest_prefixes_and_keeps_parents():
     seqs = [[[0, 0, 5], [0, 0, 5], [0, 1, 5], [1, 0, 5], [1, 0, 5], [2, 5, 5]]]
     # counts: (0,) 3, (1,) 2, (0,0) 2, (1,0) 2, (0,1) 1, (2,) 1, (0,0,5)... never (5 >= max_rank)
-    assert ts.frequency_tree(seqs, 1, max_rank=5) == {(0,)}
-    assert ts.frequency_tree(seqs, 3, max_rank=5) == {(0,), (1,), (0, 0)}
+    assert ts.frequency_tree(seqs, 1, max_rank=5) == [(0,)]
+    assert ts.frequency_tree(seqs, 3, max_rank=5) == [(0,), (1,), (0, 0)]
     tree = ts.frequency_tree(seqs, 6, max_rank=5)
-    assert tree == {(0,), (1,), (0, 0), (1, 0), (0, 1), (2,)}
-    assert all(len(p) == 1 or p[:-1] in tree for p in tree)
+    assert tree == [(0,), (1,), (0, 0), (1, 0), (2,), (0, 1)]  # by count, then depth, ranks
+    assert all(len(p) == 1 or tree.index(p[:-1]) < tree.index(p) for p in tree)
+
+
+def test_tree_file_orders_paths_and_counts_acceptance_along_the_walk():
+    from engine.spec.tree import DraftTree
+
+    # counts (0,) 3, (0, 0) 2, then (1,) first of the ones seen once
+    ranks = [[0, 0, 3], [0, 0, 9], [0, 1, 9], [1, 9, 9], [9, 9, 9]]
+    data = ts.tree_file([ranks], 3)
+    assert data["paths"] == [[0], [0, 0], [1]]
+    # the walk visits 0 (accepts 2) and 3 (accepts (1,)): (0,) hit 1 of 2, (0, 0) 1 of 1
+    # (tried only where (0,) was accepted), (1,) 1 of 2
+    assert data["conditional"] == [0.5, 1.0, 0.5]
+    DraftTree.from_paths(data["paths"], data["conditional"])  # the engine reads it
 
 
 def test_simulate_prices_rows_and_extrapolates_past_the_measured_costs():

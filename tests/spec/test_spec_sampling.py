@@ -218,3 +218,53 @@ def test_seeded_sampling_under_preemption_and_mixed_batch(qwen3_target, draft_di
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
     assert llm.engine.num_preemptions > 0
     assert got == want
+
+
+class MostLikelyTreeProposer(MostLikelyProposer):
+    """A tree of drafts from the target itself: slot ``d``'s candidates are the target's
+    ``r``-th most likely tokens after the greedy continuation's first ``d - 1`` tokens (like a
+    DFlash block, they do not depend on which candidate an earlier slot took), so sampled
+    tokens often match a second-rank node and the tree walk decides many windows."""
+
+    def __init__(self, hf, tree):
+        super().__init__(hf, tree.max_depth)
+        self.tree = tree
+        self.num_drafts = tree.num_nodes
+        self.ranked: dict[tuple, list[list[int]]] = {}
+
+    def _candidates(self, ctx: tuple) -> list[list[int]]:
+        if ctx not in self.ranked:
+            ids = list(ctx) + self._greedy(ctx)
+            with torch.inference_mode():
+                logits = self.hf(torch.tensor([ids])).logits[0]
+            width = self.tree.max_rank + 1
+            self.ranked[ctx] = [logits[len(ctx) - 1 + d].topk(width).indices.tolist()
+                                for d in range(self.tree.max_depth)]
+        return self.ranked[ctx]
+
+    def propose(self, items, captured):
+        out = {}
+        for it in items:
+            if it.sampled:
+                req = it.item.request
+                cand = self._candidates(
+                    tuple(req.prompt_token_ids + req.output_token_ids + it.sampled))
+                out[req.request_id] = [cand[d - 1][r]
+                                       for d, r in zip(self.tree.depths, self.tree.ranks)]
+        return out
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampling_with_a_tree_of_drafts_matches_target(small_target, small_draft, hf_target,
+                                                       exact, setting):
+    """Sampling the target at every node and following the child that drew the same token
+    (engine.spec.tree) keeps the target's distribution."""
+    llm = _llm(small_target, {"method": "dflash", "model": str(small_draft),
+                              "num_speculative_tokens": K,
+                              "tree": [[0], [1], [0, 0], [2], [1, 0], [0, 1]]})
+    proposer = MostLikelyTreeProposer(hf_target, llm.engine.proposer.tree)
+    llm.engine.runner.proposer = proposer
+    samples = _sample(llm, setting, seed0=70_000)
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_accepted_tokens > 0.2 * stats.num_drafts > 0
+    _check_distribution(samples, exact[setting], f"tree {setting}")

@@ -1,0 +1,264 @@
+"""Trees of drafts (engine.spec.tree): the shape, its acceptance bookkeeping, the sampler's walk,
+and end to end: outputs equal plain decoding's, token for token, whichever branch is accepted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import SamplingParams
+from engine.config import ConfigError, SpeculativeConfig
+from engine.request import Request
+from engine.sampler import RowGroup, Sampler
+from engine.spec.acceptance import AcceptanceModel, expected_gains
+from engine.spec.tree import (
+    DraftTree,
+    TreeError,
+    accepted_path,
+    load_tree,
+    window_depths,
+    window_masks,
+)
+
+from .helpers import assert_same_tokens, greedy, make_llm, random_prompts, token_ids
+
+PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]]
+
+
+# -- the shape -----------------------------------------------------------------------------------
+
+def test_tree_from_paths():
+    t = DraftTree.from_paths(PATHS)
+    assert t.parents == (0, 0, 1, 1, 2, 3, 0)
+    assert t.depths == (1, 1, 2, 2, 2, 3, 1)
+    assert t.ranks == (0, 1, 0, 1, 0, 0, 2)
+    assert (t.num_nodes, t.max_depth, t.max_rank, t.is_chain) == (7, 3, 2, False)
+    assert DraftTree.chain(3).is_chain and DraftTree.chain(3).parents == (0, 1, 2)
+    cut = t.truncated(2)
+    assert cut.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0), (2,))
+    assert t.truncated(0) is None
+    # leading nodes within 2 accepted tokens and 4 rows; within 1 token: the first two only
+    assert t.nodes_within(2, 4) == 4 and t.nodes_within(1, 10) == 2
+    assert t.window_parents(1) is None and t.window_parents(3) == [0, 0, 1]
+
+
+@pytest.mark.parametrize("paths,match", [
+    ([[0, 0], [0]], "before its parent"),
+    ([[0], [0]], "twice"),
+    ([[0], []], "non-empty"),
+    ([[0], [-1]], "ranks >= 0"),
+    ("[[0]]", "list of rank paths"),
+    ([], "at least one"),
+])
+def test_tree_rejects_bad_paths(paths, match):
+    with pytest.raises(TreeError, match=match):
+        DraftTree.from_paths(paths)
+
+
+def test_window_layout():
+    parents = [0, 0, 1, 1, 2]
+    assert window_depths(parents) == [0, 1, 1, 2, 2, 2]
+    masks = window_masks(parents)
+    assert masks == [0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]
+    # a root after two known tokens in the query block: every row also sees them
+    assert window_masks([0], first=2) == [0b111, 0b1111]
+
+
+def test_accepted_path_walks_matching_children():
+    parents = [0, 0, 1, 1, 2]  # rows 1,2 under the root; 3,4 under 1; 5 under 2
+    drafts = [10, 11, 20, 21, 22]
+    # the target picks 11 at the root (row 2), then 22 at row 2 (row 5), then anything
+    assert accepted_path(parents, drafts, [11, 0, 22, 0, 0, 7]) == [2, 5]
+    assert accepted_path(parents, drafts, [10, 21, 0, 0, 0, 0]) == [1, 4]
+    assert accepted_path(parents, drafts, [9, 0, 0, 0, 0, 0]) == []
+    assert accepted_path(None, [5, 6, 7], [5, 6, 8, 0]) == [1, 2]
+
+
+# -- acceptance bookkeeping ------------------------------------------------------------------------
+
+def test_tree_gains_follow_paths_and_never_increase():
+    parents = (0, 0, 1, 2)
+    g = expected_gains([0.5, 0.2, 0.6, 0.9], parents)
+    assert g == pytest.approx([0.5, 0.2, 0.2, 0.18])  # node 3: 0.5 * 0.6 = 0.3, held to 0.2
+    assert expected_gains([0.5, 0.5]) == [0.5, 0.25]
+
+
+def test_tree_acceptance_counts_tried_nodes_only():
+    model = AcceptanceModel(4, [0.5] * 4, parents=(0, 0, 1, 2))
+    state = model.new_request()
+    model.observe(state, 4, 2, path=[2, 4])  # root -> node 2 -> node 4
+    # node 1 tried and missed, node 2 hit, node 3 untried (its parent 1 was rejected), node 4 hit
+    assert state.trials == [1.0, 1.0, 0.0, 1.0]
+    assert state.hits == [0.0, 1.0, 0.0, 1.0]
+    model.observe(state, 2, 0, path=[])
+    # untried nodes keep their counts (as positions past a chain's rejection do)
+    assert state.trials == [pytest.approx(1.85), pytest.approx(1.85), 0.0, 1.0]
+
+
+# -- the sampler's walk ----------------------------------------------------------------------------
+
+def _logits(rows: list[int], vocab: int = 16) -> torch.Tensor:
+    out = torch.zeros(len(rows), vocab)
+    for i, t in enumerate(rows):
+        out[i, t] = 5.0
+    return out
+
+
+def test_sampler_greedy_tree_walk_and_logprobs():
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=10, temperature=0.0, logprobs=1))
+    parents = [0, 0, 1, 2]
+    drafts = [4, 5, 6, 7]
+    # argmax per row: root -> 5 (row 2), row 2 -> 7 (row 4), row 4 -> 9 (emitted)
+    logits = _logits([5, 0, 7, 0, 9])
+    res = Sampler()(logits, [RowGroup(req, 0, drafts, parents)])["r"]
+    assert res.tokens == [5, 7, 9] and res.num_accepted == 2 and res.path == [2, 4]
+    assert [lp.token_id for lp in res.logprobs] == [5, 7, 9]
+
+
+def test_sampler_tree_rows_of_one_depth_share_a_seeded_draw():
+    """Seeded sampling: row r of a tree uses draw depth(r), so siblings sample the same
+    uniform and the generator ends as if one token per accepted depth had been drawn."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5)
+    parents = [0, 0, 1, 1]  # depths 0, 1, 1, 2, 2
+    flat = torch.zeros(5, 16)  # every row the same uniform distribution
+    req = Request("r", [1], params)
+    res = Sampler()(flat, [RowGroup(req, 0, [99, 98, 97, 96], parents)])["r"]
+    assert res.num_accepted == 0  # drafts are out of the distribution's reach: none accepted
+    plain = Request("p", [1], params)
+    g = plain.sampling_generator(torch.device("cpu"))
+    want = int(torch.floor(torch.rand(1, generator=g, dtype=torch.float64) * 16))
+    assert res.tokens == [want]
+    # both generators are now one draw in
+    assert torch.equal(req.generator.get_state(), g.get_state())
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+def test_config_validates_trees():
+    ok = SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree": PATHS})
+    assert ok.tree == PATHS
+    assert SpeculativeConfig.parse({"method": "ngram", "tree": "chain"}).tree == "chain"
+    with pytest.raises(ConfigError, match="needs method 'dflash'"):
+        SpeculativeConfig.parse({"method": "ngram", "tree": PATHS})
+    with pytest.raises(ConfigError, match="before its parent") as err:
+        SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree": [[0, 0]]})
+    assert err.value.param == "speculative_config.tree"
+
+
+def test_load_tree_sources(tmp_path):
+    import json
+
+    assert load_tree(None, str(tmp_path), 7) is None  # no tree.json: chains
+    (tmp_path / "tree.json").write_text(json.dumps({"paths": PATHS, "conditional": [0.5] * 7}))
+    t = load_tree(None, str(tmp_path), 2)
+    assert t.num_nodes == 6 and t.conditional == (0.5,) * 6
+    assert load_tree(None, str(tmp_path), 7, why_not="no masks") is None  # skipped, not fatal
+    with pytest.raises(TreeError, match="no masks"):
+        load_tree(PATHS, None, 7, why_not="no masks")
+    assert load_tree("chain", str(tmp_path), 7) is None
+    assert load_tree([[0], [0, 0]], None, 7) is None  # a chain spelled as paths
+    (tmp_path / "tree.json").write_text("{broken")
+    assert load_tree(None, str(tmp_path), 7) is None
+
+
+# -- end to end -------------------------------------------------------------------------------------
+
+PROMPTS = random_prompts([1, 7, 12, 29, 41], seed=71)
+MAX_TOKENS = [30, 19, 26, 11, 33]
+TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [1, 1], [0, 0, 0], [1, 0, 0]]
+
+
+class TreeOracle:
+    """Proposes the tree's nodes from the target's true greedy continuation: at each depth the
+    true token is the candidate of one rank (drawn at random, 0 or 1) and the other ranks get
+    wrong tokens, so accepted paths go through every branch of the tree."""
+
+    capture_layers: tuple[int, ...] = ()
+    lookahead_slots = 0
+    draft_seconds = 0.0
+
+    def __init__(self, futures, tree: DraftTree, vocab: int, seed: int = 0) -> None:
+        self.futures, self.tree, self.vocab = futures, tree, vocab
+        self.num_speculative_tokens = tree.max_depth
+        self.num_drafts = tree.num_nodes
+        self.rng = random.Random(seed)
+        self.off_first_branch = 0
+
+    def layer_specs(self):
+        return []
+
+    def bind(self, pool, backend):
+        return None
+
+    def propose(self, items, captured):
+        out = {}
+        for it in items:
+            if not it.sampled or not it.wants_draft:
+                continue
+            req = it.item.request
+            done = len(req.output_token_ids) + len(it.sampled)
+            truth = self.futures[tuple(req.prompt_token_ids)][done:]
+            right = [self.rng.randrange(2) for _ in range(self.tree.max_depth)]
+            nodes = []
+            for d, r in zip(self.tree.depths, self.tree.ranks):
+                t = truth[d - 1] if d - 1 < len(truth) else 3
+                nodes.append(t if r == right[d - 1] else (t + 1 + r) % self.vocab)
+            self.off_first_branch += right[0] == 1
+            out[req.request_id] = nodes
+        return out
+
+
+def _tree_llm(target, draft, **kw):
+    return make_llm(target, {"method": "dflash", "model": str(draft), "num_speculative_tokens": 3,
+                             "tree": TREE}, **kw)
+
+
+@pytest.mark.parametrize("layout,cache_dtype", [("NHD", "auto"), ("HND", "bfloat16")])
+def test_tree_oracle_greedy_equals_plain(qwen3_target, draft_dir, baseline_cache, layout,
+                                         cache_dtype):
+    want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS, cache_dtype)
+    llm = _tree_llm(qwen3_target, draft_dir, kv_cache_layout=layout, kv_cache_dtype=cache_dtype)
+    tree = llm.engine.proposer.tree
+    assert tree is not None and tree.num_nodes == len(TREE)
+    futures = {tuple(p): w for p, w in zip(PROMPTS, want)}
+    oracle = TreeOracle(futures, tree, 256)
+    llm.engine.runner.proposer = oracle
+    got = token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS]))
+    assert_same_tokens(got, want, "tree oracle")
+    stats = llm.get_spec_decoding_stats()
+    # windows were accepted through second-rank branches, and deep
+    assert oracle.off_first_branch > 5
+    assert stats.num_accepted_tokens_per_pos[2] > 0, stats
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"block_size": 8, "num_kv_blocks": 14, "max_model_len": 96},  # preemption
+    {"max_num_batched_tokens": 12},  # chunked prefill beside tree windows, windows trimmed
+])
+def test_tree_oracle_under_preemption_and_chunked_prefill(qwen3_target, draft_dir,
+                                                          baseline_cache, kwargs):
+    want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS)
+    llm = _tree_llm(qwen3_target, draft_dir, **kwargs)
+    futures = {tuple(p): w for p, w in zip(PROMPTS, want)}
+    llm.engine.runner.proposer = TreeOracle(futures, llm.engine.proposer.tree, 256, seed=3)
+    got = token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS]))
+    assert_same_tokens(got, want, f"tree oracle {kwargs}")
+    if "num_kv_blocks" in kwargs:
+        assert llm.engine.num_preemptions > 0
+    assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
+
+
+def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, baseline_cache):
+    """The real DFlash proposer offering a tree: greedy and seeded outputs equal plain ones."""
+    want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS)
+    llm = _tree_llm(qwen3_target, draft_dir)
+    assert_same_tokens(token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS])), want,
+                       "dflash tree")
+    stats = llm.get_spec_decoding_stats()
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts * len(TREE) // 2
+    params = [SamplingParams(max_tokens=m, temperature=0.8, top_k=40, seed=9 + i,
+                             ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]
+    plain = make_llm(qwen3_target, None)
+    assert token_ids(llm.generate(PROMPTS, params)) == token_ids(plain.generate(PROMPTS, params))
