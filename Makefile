@@ -186,6 +186,8 @@ train-draft: setup
 	mkdir -p models/drafts/smollm2-135m-instruct-dflash
 	$(PY) scripts/average_drafts.py $(DRAFT_RUN7)/draft-raw $(DRAFT_RUN6AVG) --weight 0.5 \
 	    --out models/drafts/smollm2-135m-instruct-dflash
+	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA14) --draft models/drafts/smollm2-135m-instruct-dflash \
+	    --val-split 200 --tree-nodes 32 --write-tree models/drafts/smollm2-135m-instruct-dflash/tree.json
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
 # image size and start-to-healthy seconds (starts Docker if needed, which takes root).

@@ -184,9 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--fixed-k", nargs="+", type=int, default=[7],
                    help="fixed-K engines to compare (each verifies K drafts every step)")
-    p.add_argument("--tree", type=Path, default=None,
-                   help="a tree.json (engine.spec.tree) for the adaptive engine instead of the "
-                        "draft's own; fixed-K engines always verify chains")
+    p.add_argument("--tree", type=Path, nargs="+", default=[],
+                   help="tree.json files (engine.spec.tree): one more adaptive engine each, "
+                        "named after the file, verifying leading nodes of that tree instead of "
+                        "the draft's own; fixed-K engines always verify chains")
     p.add_argument("--chain-too", action="store_true",
                    help="also run the adaptive engine on chains (\"tree\": \"chain\")")
     p.add_argument("--json", type=Path, default=None)
@@ -202,9 +203,10 @@ def main(argv: list[str] | None = None) -> None:
                            "num_speculative_tokens": k, "tree": "chain"}
     if args.chain_too:
         specs["adaptive chain"] = {"method": "dflash", "model": str(draft), "tree": "chain"}
+    for path in args.tree:
+        specs[f"adaptive {path.stem}"] = {"method": "dflash", "model": str(draft),
+                                          "tree": json.loads(path.read_text())["paths"]}
     specs["adaptive"] = {"method": "dflash", "model": str(draft)}
-    if args.tree is not None:
-        specs["adaptive"]["tree"] = json.loads(args.tree.read_text())["paths"]
     systems = list(specs)
     t0 = time.perf_counter()
     engines = {name: EngineProcess(specs[name], common) for name in systems}  # one at a time
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
               "k_max": k, "tree": tree, "max_tokens": args.max_tokens, "startup_s": startup,
               "rows": []}
     print(f"# {report['cpu']}, {report['dtype']}, K <= {k}, {args.max_tokens} tokens, greedy"
-          + (f"; adaptive verifies leading nodes of the tree {tree}" if tree else ""))
+          + (f"; adaptive verifies leading nodes of the draft's tree ({len(tree)} nodes)"
+             if tree else ""))
     spec_systems = systems[1:]
     print("| set | concurrency | none tok/s | " + " | ".join(f"{s} tok/s (x)" for s in spec_systems)
           + " | acceptance " + " / ".join(spec_systems) + " | adaptive k = 0..K | mismatches |")

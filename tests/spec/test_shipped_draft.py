@@ -37,18 +37,25 @@ def test_shipped_draft_is_exact_and_accepts(prompts):
     assert default.config.speculative.model == str(default_draft_for("smollm2-135m-instruct"))
     proposer = default.proposer
     assert proposer.num_speculative_tokens == 7
+    # it offers a tree of drafts (tree.json beside it), the first node the greedy draft
+    assert proposer.tree is not None and proposer.num_drafts == proposer.tree.num_nodes == 32
+    assert proposer.tree.paths[:2] == ((0,), (0, 0))
     # it scores a reduced vocabulary: a slice of the target's LM head, not all 49152 rows
     assert proposer.draft.draft_token_ids is not None
     assert proposer._head.shape[0] == proposer.draft.config.draft_vocab_size < 49152
-    # acceptance of the draft itself, verifying all 7 drafts every step (fixed K)
-    spec = LLM(speculative_config={"method": "dflash", "model": default.config.speculative.model,
-                                   "adaptive": False}, **common)
+    # acceptance of the draft itself, verifying its whole tree every step (fixed), and as a
+    # chain of all 7 drafts
+    draft = default.config.speculative.model
+    spec = LLM(speculative_config={"method": "dflash", "model": draft, "adaptive": False},
+               **common)
+    chain = LLM(speculative_config={"method": "dflash", "model": draft, "adaptive": False,
+                                    "tree": "chain"}, **common)
     plain = LLM(speculative_config="none", **common)
     assert plain.engine.proposer is None
     for prompt in prompts:  # one at a time: single-stream decoding, as served
         want = plain.generate([prompt], params)[0].outputs[0].token_ids
-        got = spec.generate([prompt], params)[0].outputs[0].token_ids
-        assert got == want
+        assert spec.generate([prompt], params)[0].outputs[0].token_ids == want
+        assert chain.generate([prompt], params)[0].outputs[0].token_ids == want
         assert default_llm.generate([prompt], params)[0].outputs[0].token_ids == want
     # all three prompts at once through the adaptive default: still the same tokens
     together = default_llm.generate(prompts, params)
@@ -57,3 +64,6 @@ def test_shipped_draft_is_exact_and_accepts(prompts):
     stats = spec.get_spec_decoding_stats()
     assert stats.num_drafts > 0
     assert stats.mean_acceptance_length > 1.5, stats
+    # the tree accepts more than the chain on the same prompts
+    chained = chain.get_spec_decoding_stats()
+    assert stats.mean_acceptance_length > chained.mean_acceptance_length, (stats, chained)
