@@ -12,9 +12,11 @@ see ``scripts/self_synth.py``), ``code`` (short programming requests,
     python benchmarks/eval_acceptance.py --draft models/drafts/smollm2-135m-instruct-dflash
     python benchmarks/eval_acceptance.py --sets selfgen-heldout code --skip-speed
 
-The speculative engine verifies all K drafts every step (``"adaptive": false``), so the
-figures describe the draft itself; ``benchmarks/bench_spec_policy.py`` measures the adaptive
-default against fixed K and no speculation.
+The speculative engine verifies all K drafts every step (``"adaptive": false``), or every node
+of the tree of drafts a draft ships (``tree.json``, ``engine/spec/tree.py``; ``--chain``
+verifies chains of K instead), so the figures describe the draft itself;
+``benchmarks/bench_spec_policy.py`` measures the adaptive default against fixed K and no
+speculation.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="one or more draft folders (DFlash or DFlash2, detected), each measured "
                         "on the same sets against the same no-spec baseline")
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--chain", action="store_true",
+                   help="verify chains of K drafts even where a draft ships a tree.json")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--gsm8k", type=int, default=200, help="first N GSM8K test questions")
     p.add_argument("--speed-prompts", type=int, default=16,
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
         # the draft's own acceptance: every step verifies all K drafts (the adaptive default
         # verifies fewer where they do not pay; benchmarks/bench_spec_policy.py compares the two)
         spec = {"method": "dflash", "model": str(draft), "adaptive": False}
+        if args.chain:
+            spec["tree"] = "chain"
         if args.num_speculative_tokens:
             spec["num_speculative_tokens"] = args.num_speculative_tokens
         llm = LLM(speculative_config=spec, **common)
