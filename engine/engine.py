@@ -148,6 +148,8 @@ class LLMEngine:
             "speculative": None if config.speculative is None else {
                 **{k: v for k, v in vars(config.speculative).items() if v is not None},
                 "num_speculative_tokens": self.proposer.num_speculative_tokens,
+                **({"tree_nodes": self.proposer.tree.num_nodes}
+                   if self.proposer.tree is not None else {}),
             },
         }
         if self.tp is not None:
