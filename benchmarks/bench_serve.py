@@ -190,8 +190,9 @@ def dataset_requests(args: argparse.Namespace, n: int, tokenizer: Any | None,
                   int(r.get("output_len") or r.get("max_tokens") or args.output_len)) for r in rows]
         items = [(p, o) for p, o in items if p]
     else:
-        loaded = prompt_sets.load(name, 10**9)
-        items = [(p, args.output_len) for p in loaded]
+        # every prompt of the set, once (the built-in chat set repeats itself up to any limit)
+        whole = len(prompt_sets.CHAT_PROMPTS) if name == "chat" else 10**9
+        items = [(p, args.output_len) for p in prompt_sets.load(name, whole)]
     if not items:
         raise SystemExit(f"bench_serve: dataset {name!r} has no prompts")
     if not args.no_shuffle:

@@ -510,3 +510,18 @@ def test_vllm_dtype_follows_ours(monkeypatch, tmp_path):
                                                  concurrency=[1]), tmp_path) == "float16"
     assert compare.vllm_dtype(argparse.Namespace(vllm_dtype="bfloat16", dtype="float32",
                                                  concurrency=[1]), tmp_path) == "bfloat16"
+
+
+def test_dataset_requests_chat_takes_the_set_once_then_repeats():
+    """--dataset-name chat: the built-in set, shuffled and cycled to n (it once asked the
+    prompt loader for 10**9 repeated prompts and ran out of memory)."""
+    import argparse
+
+    from benchmarks import bench_serve as bs
+    from benchmarks import prompts as prompt_sets
+
+    args = argparse.Namespace(dataset_name="chat", output_len=32, no_shuffle=False, seed=0)
+    n = len(prompt_sets.CHAT_PROMPTS) + 3
+    reqs = bs.dataset_requests(args, n, None, True)
+    assert len(reqs) == n and {r.prompt for r in reqs} == set(prompt_sets.CHAT_PROMPTS)
+    assert all(r.output_len == 32 for r in reqs)
