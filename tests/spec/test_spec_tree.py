@@ -262,3 +262,41 @@ def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, basel
                              ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]
     plain = make_llm(qwen3_target, None)
     assert token_ids(llm.generate(PROMPTS, params)) == token_ids(plain.generate(PROMPTS, params))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_accepted_side_branch_moves_to_the_slots_of_its_depths(layout):
+    """After a tree window, the accepted nodes' K/V (every layer) and captured rows sit where
+    a chain would have put them: node j of depth d at slot root + d, captured row root + d."""
+    from types import SimpleNamespace
+
+    from attention.groups import GroupSpec
+    from attention.kv import LayerKV
+    from engine.outputs import ScheduledRequest, StepPlan, StepResult
+    from engine.runner import ModelRunner
+
+    bs = 4
+    group = GroupSpec("target", ("a", "b"), bs, 2, 8, torch.float32, "auto")
+    shape = (6, 2, bs, 2, 8) if layout == "NHD" else (6, 2, 2, bs, 8)
+    layers = [LayerKV(n, group, layout, torch.randn(shape)) for n in ("a", "b")]
+    before = [kv.logical.clone() for kv in layers]
+    req = Request("r", [1] * 5, SamplingParams(max_tokens=20))
+    req.num_computed_tokens, req.block_table = 5, [3, 5, 1]
+    parents = [0, 0, 1, 2]  # nodes 1, 2 under the root; 3 under 1; 4 under 2
+    item = ScheduledRequest(req, 5, [7, 8, 9, 10], False, parents)
+    result = StepResult(sampled={"r": [8, 10, 11]}, num_accepted={"r": 2},
+                        accepted_paths={"r": [2, 4]})
+    captured = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)  # 2 other rows first
+    runner = SimpleNamespace(kv_layers=layers, block_size=bs, device=torch.device("cpu"))
+    out = ModelRunner._keep_paths(runner, StepPlan([item]), {"r": 2}, result, captured)
+
+    def slot(p):  # K and V of position p: [block, :, offset] of the logical view
+        return req.block_table[p // bs], slice(None), p % bs
+
+    root = 5
+    for kv, old in zip(layers, before):
+        for depth, node in ((1, 2), (2, 4)):
+            assert torch.equal(kv.logical[slot(root + depth)], old[slot(root + node)])
+        assert torch.equal(kv.logical[slot(root + 3)], old[slot(root + 3)])  # untouched
+    assert torch.equal(out[2 + 1], captured[2 + 2]) and torch.equal(out[2 + 2], captured[2 + 4])
+    assert torch.equal(out[:3], captured[:3]) and torch.equal(out[5:], captured[5:])
