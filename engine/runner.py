@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -21,10 +22,10 @@ def slot_list(table: list[int], start: int, end: int, block_size: int) -> list[i
 
     Plain Python: a step builds one tensor from all requests' slots instead of a few small
     tensor ops per request."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    return slot_list_at(table, range(start, end), block_size)
 
 
-def slot_list_at(table: list[int], positions: list[int], block_size: int) -> list[int]:
+def slot_list_at(table: list[int], positions: Iterable[int], block_size: int) -> list[int]:
     """Slot of each of ``positions`` (any order)."""
     return [table[p // block_size] * block_size + p % block_size for p in positions]
 
@@ -164,13 +165,13 @@ class ModelRunner:
         src_rows: list[int] = []
         dst_rows: list[int] = []
         for item in plan.scheduled:
-            path = result.accepted_paths.get(item.request_id)
-            if not path or path == list(range(1, len(path) + 1)):
+            path = result.accepted_paths.get(item.request_id, [])
+            moved = [(d, j) for d, j in enumerate(path, start=1) if d != j]
+            if not moved:
                 continue
             req = item.request
             root = req.num_computed_tokens + item.num_new_tokens - len(item.spec_token_ids) - 1
             row = row_of[item.request_id] + root - req.num_computed_tokens
-            moved = [(d, j) for d, j in enumerate(path, start=1) if d != j]
             src_slots += slot_list_at(req.block_table, [root + j for _, j in moved],
                                       self.block_size)
             dst_slots += slot_list_at(req.block_table, [root + d for d, _ in moved],

@@ -54,15 +54,11 @@ class DecayedRates:
         self.trials = [self.decay * t for t in self.trials]
         self.cached = None
 
-    def observe(self, num_verified: int, num_accepted: int) -> None:
-        for j in range(min(num_verified, num_accepted + 1)):
-            self.hits[j] = self.decay * self.hits[j] + (1.0 if j < num_accepted else 0.0)
-            self.trials[j] = self.decay * self.trials[j] + 1.0
-
-    def observe_tree(self, parents: tuple[int, ...], num_verified: int, path: list[int]
-                     ) -> None:
-        """A tree window: node ``j`` was tried when it was verified and its parent accepted
-        (the root always is) and hit when it is on the accepted ``path``."""
+    def observe(self, parents: tuple[int, ...], num_verified: int, path: list[int]) -> None:
+        """One window of the first ``num_verified`` drafts: draft ``j`` was tried when its
+        parent was accepted (the root always is) and hit when it is on the accepted ``path``
+        (1-based). For a chain (``parents[j - 1] == j - 1``) with ``n`` accepted: positions
+        ``1..n`` hit, ``n + 1`` missed, later ones not observed."""
         on_path = {0, *path}
         for j in range(num_verified):
             if parents[j] in on_path:
@@ -86,7 +82,7 @@ class AcceptanceModel:
         if parents is not None and len(parents) != k:
             raise ValueError(f"{len(parents)} parents for {k} nodes")
         self.k = k
-        self.parents = parents
+        self.parents = tuple(range(k)) if parents is None else parents  # a chain by default
         curve = list(seed_curve or [])[:k]
         curve += [curve[-1] if curve else DEFAULT_PRIOR] * (k - len(curve))
         self.seed = [min(max(a, 0.0), 1.0) for a in curve]
@@ -127,29 +123,20 @@ class AcceptanceModel:
         if num_verified <= 0:
             state.age()  # the request's own curve only: the engine-wide one saw nothing
             return
-        if self.parents is None:
-            state.observe(num_verified, num_accepted)
-            self.global_counts.observe(num_verified, num_accepted)
-        else:
-            path = list(range(1, num_accepted + 1)) if path is None else path
-            state.observe_tree(self.parents, num_verified, path)
-            self.global_counts.observe_tree(self.parents, num_verified, path)
+        path = list(range(1, num_accepted + 1)) if path is None else path  # a chain window
+        state.observe(self.parents, num_verified, path)
+        self.global_counts.observe(self.parents, num_verified, path)
         self.version += 1
 
 
 def expected_gains(rates: list[float], parents: tuple[int, ...] | None = None) -> list[float]:
-    """``g_j``, the chance that draft ``j`` is accepted: ``a_1 * ... * a_j`` for a chain, the
-    product of the rates along node ``j``'s path for a tree. A tree's gains are then made
-    non-increasing in node order (each node priced at most as its predecessors), since the
-    controller verifies leading nodes: a later node never makes an earlier one worth more."""
-    out: list[float] = []
-    if parents is None:
-        p = 1.0
-        for a in rates:
-            p *= a
-            out.append(p)
-        return out
+    """``g_j``, the chance that draft ``j`` is accepted: the product of the rates along its
+    path (``a_1 * ... * a_j`` for a chain, the default ``parents``). The gains are then held
+    non-increasing in draft order (a no-op for a chain), since the controller verifies leading
+    drafts: a later node never makes an earlier one worth more."""
+    parents = tuple(range(len(rates))) if parents is None else parents
     raw: list[float] = []
+    out: list[float] = []
     for j, a in enumerate(rates):
         raw.append(a * (raw[parents[j] - 1] if parents[j] else 1.0))
         out.append(min(raw[-1], out[-1]) if out else raw[-1])
