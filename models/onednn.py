@@ -4,7 +4,7 @@ PyTorch reaches oneDNN through ideep, whose per-call work (descriptors, a hashed
 tensor wrappers) costs about 20 us per product, and ~120 products make a SmolLM2-135M decode
 step. This extension reorders a weight once and keeps one oneDNN primitive per row count and
 shape, shared by every weight of that shape (least recently used dropped past
-``SPECSERVE_ONEDNN_CACHE`` entries, default 512, about 120 KiB each), so a call costs a few
+``SPECSERVE_ONEDNN_CACHE`` entries, default 1024, about 140 KiB each), so a call costs a few
 microseconds beyond the kernel. It links the ``onednn-cpu-gomp`` wheel's
 library (oneDNN built with GNU OpenMP: it shares the OpenMP runtime torch loaded, hence its
 thread count) and is built like the attention kernels, on first use or by ``make setup``.
@@ -13,7 +13,7 @@ A weight is packed here only when oneDNN's kernels give every row the same bits 
 row count among the counts a call may run as, measured per weight shape (:func:`row_range`):
 calls are padded up to that range and to a few fixed counts within it, or split into such
 calls (``onednn_linear.cpp``), so the product is row-count invariant everywhere, one row needs
-no padding (``layers.linear``), and each weight shape has at most ~40 primitives, all made by
+no padding (``layers.linear``), and each weight shape has at most ~70 primitives, all made by
 the probe (a new row count's primitive took about 1 ms to make: a prefill chunk or a draft's
 context catch-up of an odd length paid it on the spot).
 Without AMX the brgemm kernels are invariant at every count measured; with AMX, oneDNN runs one
@@ -153,7 +153,7 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
 
 def call_counts(op, hi: int) -> list[int]:
     """The row counts below ``hi`` that a call may run as once a range ending at ``hi`` is set,
-    as ``PackedLinear.call_rows`` rounds them (every count to 32, then multiples of 16; asked of
+    as ``PackedLinear.call_rows`` rounds them (every count to 64, then multiples of 16; asked of
     ``op`` before its range is set). :func:`row_range` compares all of them."""
     return sorted({op.call_rows(n) for n in range(1, hi)} - {hi})
 

@@ -8,8 +8,9 @@
 // bias) is created on first use and kept in a cache shared by every weight of that shape (the
 // 30 layers of a model share 4 shapes), so a call is a map lookup, three memory wrappers and
 // the kernel. The cache is least-recently-used with SPECSERVE_ONEDNN_CACHE entries (default
-// 512; a primitive holds about 120 KiB and takes about 1 ms to create): prefill chunks bring
-// new row counts all the time, and an unbounded cache grows without end.
+// 1024: a target and its DFlash draft have about 8 weight shapes of ~68 row counts each; a
+// primitive holds about 140 KiB and takes 0.1-1 ms to create): prefill chunks bring new row
+// counts all the time, and an unbounded cache grows without end.
 //
 // Row invariance (a row's bits do not depend on how many rows the product has) is a property
 // of the kernel oneDNN picks, not of this code: ``impl`` names the kernel (the gemm fallback
@@ -59,7 +60,7 @@ class PrimitiveCache {
  public:
   PrimitiveCache() {
     const char* env = std::getenv("SPECSERVE_ONEDNN_CACHE");
-    capacity_ = env ? std::max(1L, std::atol(env)) : 512;
+    capacity_ = env ? std::max(1L, std::atol(env)) : 1024;
   }
 
   template <typename Make>
@@ -103,7 +104,7 @@ PrimitiveCache& primitive_cache() {
 // count from 1 on, so any count works; 16 is a typical step.
 constexpr int64_t kLayoutRows = 16;
 // With a row range set, calls of more than kExactRows rows are padded to a multiple of kRowStep.
-constexpr int64_t kExactRows = 32;
+constexpr int64_t kExactRows = 64;
 constexpr int64_t kRowStep = 16;
 
 class PackedLinear {
@@ -177,7 +178,7 @@ class PackedLinear {
   // Calls are held to row counts the caller measured to give a row the same bits
   // (``models/onednn.py``): at least ``min_rows`` (fewer are padded), at most ``max_rows``
   // (more are split), and above kExactRows a multiple of kRowStep (padded up), so that a
-  // weight runs at most ~40 row counts, each one probed, each primitive made once.
+  // weight runs at most ~70 row counts, each one probed, each primitive made once.
   void set_row_range(int64_t min_rows, int64_t max_rows) {
     TORCH_CHECK(min_rows >= 1 && max_rows >= 2 * min_rows &&
                     (max_rows <= kExactRows || max_rows % kRowStep == 0),

@@ -75,8 +75,8 @@ def test_a_wide_product_is_held_to_its_measured_row_range():
     if lo > 1:  # the range is there for a reason: unpadded, fewer rows round differently
         raw = onednn.load().PackedLinear(w)
         assert not torch.equal(raw.forward(x[:lo - 1]), full[:lo - 1])
-    assert [packed.op.call_rows(n) for n in (1, 33, 48, 49, hi)] == [lo, 48, 48, 64, hi]
-    for m in (*range(1, 20), 33, 64, 127, 128, 129, 128 + lo - 1, 200, 299):
+    assert [packed.op.call_rows(n) for n in (1, 33, 64, 65, 81, hi)] == [lo, 33, 64, 80, 96, hi]
+    for m in (*range(1, 20), 33, 47, 64, 65, 127, 128, 129, 128 + lo - 1, 200, 299):
         start = 300 - m if m % 2 else 0
         assert torch.equal(packed(x[start:start + m]), full[start:start + m]), (m, lo, hi)
 
@@ -84,7 +84,7 @@ def test_a_wide_product_is_held_to_its_measured_row_range():
 def test_a_row_range_must_leave_room_for_splitting():
     _, w = _activations(torch.float32, rows=1)
     packed = _direct_or_skip(w)
-    for lo, hi in ((0, 8), (5, 8), (1, 40)):  # 40: above 32 rows, calls come in steps of 16
+    for lo, hi in ((0, 8), (5, 8), (1, 72)):  # 72: above 64 rows, calls come in steps of 16
         with pytest.raises(RuntimeError, match="row range"):
             packed.op.set_row_range(lo, hi)
 
