@@ -30,7 +30,7 @@ _BUILD = Path(os.environ.get("SPECSERVE_KERNEL_BUILD_DIR")
 # (AVX2, no AVX-512) to build for older machines or to test that path on a newer one (pair it
 # with its own SPECSERVE_KERNEL_BUILD_DIR).
 _MARCH = os.environ.get("SPECSERVE_KERNEL_MARCH") or "native"
-_FLAGS = ["-O3", f"-march={_MARCH}", "-ffp-contract=off", "-fopenmp"]
+_FLAGS = ["-O3", f"-march={_MARCH}", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _error: str | None = None

@@ -142,7 +142,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         for (int64_t i = 0; i < I; ++i) {
           const float x = to_float(g[i]);
           const float e = exp_nonpos(x < 0.0f ? x : -x);
-          const float sig = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+          const float sig = (x < 0.0f ? e : 1.0f) / (1.0f + e);  // one division, either side
           o[i] = round_to<T>(to_float(round_to<T>(x * sig)) * to_float(u[i]));
         }
       }
