@@ -270,6 +270,24 @@ def test_cost_online_refinement_moves_toward_measurements():
     assert m.step_time(16, 16) == plain and m.step_time(16, 32) > 1.5 * two
 
 
+def test_cost_refinement_keeps_a_line_in_order():
+    """Verifying steps that run cheaper than the table's plain decode (shorter contexts, a
+    quieter moment) move only their own columns, and the plain cell above them is brought
+    down with them: a step with drafts is never priced below the plain step beside it."""
+    m = cost_model(per_token=0.001, draft=0.0)  # one-row line 20 / 21 / 23 / 27 ms
+    plain = m.step_time(1, 1)
+    for _ in range(100):
+        m.observe(1, 2, 0, 0.8 * plain)
+    line = m.table[0]
+    assert line == sorted(line) and line[0] == pytest.approx(line[1])
+    assert m.step_time(1, 2) == pytest.approx(0.8 * plain, rel=0.02)
+    # plain steps measured slower lift the whole line; it stays in order
+    for _ in range(100):
+        m.observe(1, 1, 0, 1.5 * plain)
+    assert m.table[0] == sorted(m.table[0])
+    assert m.step_time(1, 1) == pytest.approx(1.5 * plain, rel=0.02)
+
+
 def test_cost_refinement_with_the_draft_timed_apart():
     """One stream drafting every step visits only verify-and-draft steps. With the proposer's
     time known, the draft curve and the table each learn their own part (from the step's total
