@@ -16,6 +16,15 @@ and the draft's context write, block pass and choice took 2.1 ms (its 18.5 MB of
 at the plain step's rate, 270 MB in 21.9 ms, would take 1.5 ms). Table in docs/performance.md.
 
     python benchmarks/bench_step_phases.py --ks 0 3 7 --prompts 4 --max-tokens 128
+
+``--layers`` adds a second table: the target pass itself, by its number of query rows (a plain
+step has one per request; a step verifying a tree of 32 drafts has 33 for its request), split
+into the decoder layers' four products, attention (K/V write and kernel), the two norms, and
+the rest (RoPE, SiLU, residual adds, Python). On the same machine kind (twenty-sixth session)
+a 33-row pass took 27.6 ms against 16.1 for one row: products 16.7 against 11.7, attention
+3.4 against 0.7, the rest 5.9 against 3.0.
+
+    python benchmarks/bench_step_phases.py --ks 0 7 --prompts 4 --max-tokens 128 --layers
 """
 
 from __future__ import annotations
@@ -85,6 +94,85 @@ def instrument(llm) -> tuple[dict[str, float], dict[str, int]]:
     return totals, calls
 
 
+LAYER_PARTS = (
+    ("qkv_proj", "QKV product"),
+    ("o_proj", "O product"),
+    ("gate_up", "gate/up product"),
+    ("down", "down product"),
+    ("attention", "attention (K/V write, kernel)"),
+    ("norms", "norms (with residual add)"),
+)
+
+
+def instrument_layers(llm) -> dict[int, dict[str, float]]:
+    """Time the parts of the target's passes, keyed by the pass's query rows: totals (seconds)
+    per part, plus ``passes`` and ``pass`` (the whole forward). Only the target's own calls
+    count (the draft runs outside its forward)."""
+    model = llm.engine.runner.model
+    by_rows: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    active: list[int] = []  # the rows of the target pass running now (empty: none)
+
+    def timed(inner, key):
+        def call(*args, **kwargs):
+            if not active:
+                return inner(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                by_rows[active[0]][key] += time.perf_counter() - t0
+        return call
+
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for obj, name, key in ((attn.qkv_proj, "forward", "qkv_proj"),
+                               (attn.o_proj, "forward", "o_proj"),
+                               (mlp.gate_up_proj, "forward", "gate_up"),
+                               (mlp.down_proj, "forward", "down"),
+                               (layer.input_layernorm, "forward", "norms"),
+                               (layer.post_attention_layernorm, "add", "norms")):
+            setattr(obj, name, timed(getattr(obj, name), key))
+    # attention: the metadata object of each step is new, so its class's method is wrapped
+    from attention.backends import torch_backend
+
+    for cls in (torch_backend.PagedMetadata, torch_backend.TorchMetadata):
+        cls.attend = timed(cls.attend, "attention")
+    forward = model.forward
+
+    def whole(input_ids, *args, **kwargs):
+        active.append(int(input_ids.shape[0]))
+        t0 = time.perf_counter()
+        try:
+            return forward(input_ids, *args, **kwargs)
+        finally:
+            rows = active.pop()
+            by_rows[rows]["pass"] += time.perf_counter() - t0
+            by_rows[rows]["passes"] += 1
+
+    model.forward = whole
+    return by_rows
+
+
+def layer_table(results: list[dict], min_passes: int = 20) -> str:
+    """ms per target pass by query rows (rows seen in at least ``min_passes`` passes: decode
+    and verification shapes, not the odd prefill)."""
+    heads = ["query rows", "passes", "target pass"] + [label for _, label in LAYER_PARTS] + ["rest"]
+    lines = ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
+    seen: dict[int, dict[str, float]] = {}
+    for r in results:
+        for rows, parts in r.get("layers", {}).items():
+            if parts["passes"] >= min_passes and rows not in seen:
+                seen[rows] = parts
+    for rows in sorted(seen):
+        parts = seen[rows]
+        n = parts["passes"]
+        cells = [1e3 * parts.get(key, 0.0) / n for key, _ in LAYER_PARTS]
+        whole = 1e3 * parts["pass"] / n
+        lines.append(f"| {rows} | {int(n)} | {whole:.2f} | "
+                     + " | ".join(f"{c:.2f}" for c in cells) + f" | {whole - sum(cells):.2f} |")
+    return "\n".join(lines)
+
+
 def phases(totals: dict[str, float]) -> dict[str, float]:
     """The table's rows from the wrapped totals: the "rest" rows are what a wrapper measured
     beyond the parts inside it."""
@@ -97,7 +185,7 @@ def phases(totals: dict[str, float]) -> dict[str, float]:
 
 
 def run_config(k: int, common: dict, draft: str | None, prompts: list, max_tokens: int,
-               concurrency: int) -> dict:
+               concurrency: int, layers: bool = False) -> dict:
     """One configuration in this process: a warm-up prompt, then every prompt in batches of
     ``concurrency``; totals per part, steps and tokens."""
     from engine import LLM, SamplingParams
@@ -108,6 +196,7 @@ def run_config(k: int, common: dict, draft: str | None, prompts: list, max_token
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], params)  # first calls of each shape (kernels, allocations)
     totals, calls = instrument(llm)
+    by_rows = instrument_layers(llm) if layers else {}
     tokens = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
@@ -115,7 +204,7 @@ def run_config(k: int, common: dict, draft: str | None, prompts: list, max_token
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     return {"k": k, "phases": phases(totals), "steps": calls["step"], "tokens": tokens,
-            "wall": wall}
+            "wall": wall, "layers": {rows: dict(parts) for rows, parts in by_rows.items()}}
 
 
 def load_prompts(model: str, count: int) -> list:
@@ -156,6 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layers", action="store_true",
+                   help="also split the target pass into its layers' parts, by query rows")
     p.add_argument("--in-process", action="store_true",
                    help="run every configuration in this process (tests); by default each gets one")
     args = p.parse_args(argv)
@@ -168,7 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     draft = str(draft) if draft else None
     common = {"model": args.model, "dtype": args.dtype}
     prompts = args.prompt_ids or load_prompts(args.model, args.prompts)
-    jobs = [(k, common, draft, prompts, args.max_tokens, args.concurrency) for k in args.ks]
+    jobs = [(k, common, draft, prompts, args.max_tokens, args.concurrency, args.layers)
+            for k in args.ks]
     if args.in_process:
         results = [run_config(*job) for job in jobs]
     else:
@@ -180,6 +272,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# {cpu_description()}: {len(prompts)} prompts, {args.concurrency} at a time, at most "
           f"{args.max_tokens} tokens, greedy, {args.dtype}")
     print(table(results))
+    if args.layers:
+        print("\nms per target pass, by its query rows:")
+        print(layer_table(results))
     return results
 
 

@@ -27,3 +27,24 @@ def test_parts_add_up_inside_the_step_and_the_table_prints(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 prompts, 1 at a time" in out and "| ms per step | no speculation | K = 2 |" in out
     assert "| draft: block pass | 0.00 |" in out and "| tokens per step | 1.00 |" in out
+
+
+def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
+    """``--layers``: the parts of each target pass are timed by its query rows (1 for a plain
+    decode, K + 1 for a verification of K drafts) and fit inside the pass."""
+    target = save_target(tmp_path / "target")
+    save_draft(tmp_path / "draft")
+    results = bench_step_phases.main([
+        "--model", str(target), "--draft", str(tmp_path / "draft"), "--ks", "0", "2",
+        "--prompt-ids", "5", "6", "7", "8", "--max-tokens", "8", "--dtype", "float32",
+        "--in-process", "--layers"])
+    plain, spec = (r["layers"] for r in results)
+    # a 4-token prefill, then decodes of 1 row, or verifications of K + 1 = 3 rows
+    assert plain[4]["passes"] == 1 and plain[1]["passes"] == 7 and 3 not in plain
+    assert spec[3]["passes"] >= 1
+    for by_rows in (plain, spec):
+        for parts in by_rows.values():
+            inside = sum(v for k, v in parts.items() if k not in ("pass", "passes"))
+            assert 0 < inside <= parts["pass"] and parts["attention"] > 0 and parts["down"] > 0
+    out = capsys.readouterr().out
+    assert "ms per target pass, by its query rows:" in out and "| query rows | passes |" in out

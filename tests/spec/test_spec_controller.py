@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from engine.spec.acceptance import AcceptanceModel, expected_gains, load_seed_curve
@@ -270,22 +271,20 @@ def test_cost_online_refinement_moves_toward_measurements():
     assert m.step_time(16, 16) == plain and m.step_time(16, 32) > 1.5 * two
 
 
-def test_cost_refinement_keeps_a_line_in_order():
-    """Verifying steps that run cheaper than the table's plain decode (shorter contexts, a
-    quieter moment) move only their own columns, and the plain cell above them is brought
-    down with them: a step with drafts is never priced below the plain step beside it."""
+def test_cost_lines_are_read_in_order():
+    """Verifying steps that ran cheaper than the plain decode beside them (shorter contexts, a
+    quieter moment) lower their own cells, but a step with drafts is never priced below the
+    plain step; the cells keep what was measured (ordering them where they are written let
+    noise ratchet the larger blocks upward)."""
     m = cost_model(per_token=0.001, draft=0.0)  # one-row line 20 / 21 / 23 / 27 ms
     plain = m.step_time(1, 1)
     for _ in range(100):
         m.observe(1, 2, 0, 0.8 * plain)
-    line = m.table[0]
-    assert line == sorted(line) and line[0] == pytest.approx(line[1])
-    assert m.step_time(1, 2) == pytest.approx(0.8 * plain, rel=0.02)
-    # plain steps measured slower lift the whole line; it stays in order
-    for _ in range(100):
-        m.observe(1, 1, 0, 1.5 * plain)
-    assert m.table[0] == sorted(m.table[0])
-    assert m.step_time(1, 1) == pytest.approx(1.5 * plain, rel=0.02)
+    assert m.table[0][1] == pytest.approx(0.8 * plain, rel=0.02)  # what was measured
+    assert m.step_time(1, 2) == pytest.approx(plain)  # read: at least the plain step
+    assert m.step_time(1, 3) >= m.step_time(1, 2) and m.step_time(1, 1) == pytest.approx(plain)
+    times = m.step_times(1, np.arange(1, 40))
+    assert (np.diff(times) >= 0).all()
 
 
 def test_cost_refinement_with_the_draft_timed_apart():
@@ -296,7 +295,7 @@ def test_cost_refinement_with_the_draft_timed_apart():
     for _ in range(200):
         m.observe(1, 2, 1, 0.068 + 0.007, draft_seconds=0.007)
     assert m.draft_time(1) == pytest.approx(0.007, rel=0.01)
-    assert m.step_time(1, 2) == pytest.approx(0.068, rel=0.02)
+    assert m.table[0][1] == pytest.approx(0.068, rel=0.02)  # (read no lower than plain's 80)
     # a drafting plain decode (no drafts verified) is a plain step plus the draft pass
     for _ in range(200):
         m.observe(1, 1, 1, 0.060 + 0.010, draft_seconds=0.010)
