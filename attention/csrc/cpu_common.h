@@ -8,7 +8,12 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -103,6 +108,29 @@ inline u32x16 load_u32x16(const void* p) {
   return w;
 }
 inline v16 as_v16(u32x16 w) { return {(v8)w.lo, (v8)w.hi}; }
+#endif
+
+// a + s * v rounded once (fused multiply-add) in every lane: the same IEEE operation as the
+// scalar std::fma, so vector and scalar paths still agree (-ffp-contract=off only stops the
+// compiler from fusing where the source does not ask for it)
+#if defined(__AVX512F__)
+inline v16 fmadd(float s, v16 v, v16 a) {
+  return (v16)_mm512_fmadd_ps(_mm512_set1_ps(s), (__m512)v, (__m512)a);
+}
+#elif defined(__FMA__)
+inline v16 fmadd(float s, v16 v, v16 a) {
+  const __m256 sv = _mm256_set1_ps(s);
+  return {(v8)_mm256_fmadd_ps(sv, (__m256)v.lo, (__m256)a.lo),
+          (v8)_mm256_fmadd_ps(sv, (__m256)v.hi, (__m256)a.hi)};
+}
+#else
+inline v16 fmadd(float s, v16 v, v16 a) {
+  float x[16], y[16];
+  store16(x, v);
+  store16(y, a);
+  for (int l = 0; l < 16; ++l) y[l] = std::fma(s, x[l], y[l]);
+  return load16(y);
+}
 #endif
 
 // rows per thread: enough elements that waking a second thread pays

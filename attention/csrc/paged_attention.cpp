@@ -9,8 +9,9 @@
 // Per row: scores s_j = (q . k_j) * scale for j < n (K read in 16-position blocks, each score
 // summed over d in 16 lanes in order, then the lanes in one fixed tree), m = max s,
 // p_j = exp(s_j - m) with a fixed polynomial exp, l = sum p_j in 16 fixed lanes,
-// o = sum_j p_j v_j in order of j, out = o / l. Built with -ffp-contract=off so vector and
-// scalar code paths perform the same IEEE ops.
+// o = sum_j p_j v_j in order of j, each term added with one fused multiply-add (fmadd,
+// std::fma), out = o / l. Built with -ffp-contract=off so vector and scalar code paths
+// perform the same IEEE ops.
 //
 // Two ways to read K/V, chosen by cache dtype and head size only: bfloat16 pages with a head
 // size of 64 or 128 are converted in registers where they are used (and d is visited in a fixed
@@ -26,7 +27,8 @@
 // qk_generic, qk_bf16, qk_dot_bf16 and reduce16 treat all 16 lanes alike); the max is exact,
 // so order-free, but the denominator sums in 16 lanes by position mod 16, so positions matter
 // there; and P.V adds p_j * v_j in order of j, so exact zeros p_j = 0 interleaved with the
-// visible positions change nothing (the accumulator starts at +0 and is never -0). So a tree
+// visible positions change nothing (fma(0, v, a) = a: the accumulator starts at +0 and is
+// never -0). So a tree
 // row's scores are computed over its physical extent (base + its offset + 1, as a causal row
 // at that offset), compacted into logical order before the softmax, which then runs exactly
 // as for a causal row of the logical length, and scattered back (zeros at the hidden offsets)
@@ -170,7 +172,7 @@ inline void pv_block(float* __restrict acc, const float* __restrict p,
   for (int64_t l = 0; l < lmax; ++l) {
     const float pl = p[l];
     for (int c = 0; c < C; ++c) {
-      a[c] = a[c] + pl * load16(v + l * stride + c * kLanes);
+      a[c] = fmadd(pl, load16(v + l * stride + c * kLanes), a[c]);
     }
   }
   for (int c = 0; c < C; ++c) store16(acc + c * kLanes, a[c]);
@@ -180,7 +182,7 @@ inline void pv_generic(float* __restrict acc, const float* __restrict p,
                        const float* __restrict v, int64_t lmax, int64_t D, int64_t stride) {
   for (int64_t l = 0; l < lmax; ++l) {
     const float pl = p[l];
-    for (int64_t d = 0; d < D; ++d) acc[d] += pl * v[l * stride + d];
+    for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(pl, v[l * stride + d], acc[d]);
   }
 }
 
@@ -392,7 +394,7 @@ inline void pv_bf16(float* const* acc, const float* const* p, const int64_t* lma
     for (int r = 0; r < NR; ++r) {
       if (l >= lmax[r]) continue;
       const float pl = p[r][l];
-      for (int c = 0; c < C; ++c) a[r][c] = a[r][c] + pl * v[c];
+      for (int c = 0; c < C; ++c) a[r][c] = fmadd(pl, v[c], a[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)

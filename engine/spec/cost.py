@@ -7,9 +7,9 @@ grid measured at startup with the real runner on synthetic requests (rows 1, 4, 
 1, 2, 4, 8, ... tokens per row, within a few seconds), interpolated in between, cached per
 machine and model, and refined online from the timings of real steps: a plain step moves the
 level of its rows' whole line (every block size alike), a verifying step only the block-size
-columns it was priced from (a line is read non-decreasing in tokens per row), a drafting step the draft curve with the proposer's drafting time
+columns it was priced from, a drafting step the draft curve with the proposer's drafting time
 (``Proposer.draft_seconds``: the block pass, not the draft context it catches up) and the table
-with the rest.
+with the rest. A line is read non-decreasing in tokens per row.
 """
 
 from __future__ import annotations
