@@ -193,6 +193,39 @@ def test_dtype_auto_weighs_every_batch_size(monkeypatch, tmp_path):
     assert dc.auto_dtype(hf, torch.device("cpu"), max_num_seqs=16) == torch.bfloat16
 
 
+def test_dtype_measurement_runs_on_a_thread_that_ends(monkeypatch, tmp_path):
+    """The server measures while building its config on the main thread and steps the engine
+    on another; GNU OpenMP keeps a team of workers per thread that ran a parallel region, and
+    a main-thread team left behind made every engine step slower. So the measurement runs on a
+    thread of its own, which is gone (with its team) when the answer comes back, and its
+    failures still reach the caller."""
+    import threading
+
+    import engine.dtype_choice as dc
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    hf = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+          "vocab_size": 256, "num_hidden_layers": 2}
+    ran_on = []
+
+    def fake(shapes, dtype, device, rows):
+        ran_on.append(threading.current_thread())
+        return lambda: [{torch.float32: 2.0, torch.bfloat16: 1.0}[dtype]] * len(rows)
+
+    monkeypatch.setattr(dc, "decode_step_timer", fake)
+    assert dc.auto_dtype(hf, torch.device("cpu")) == torch.bfloat16
+    assert ran_on and all(t is not threading.current_thread() for t in ran_on)
+    assert not any(t.is_alive() for t in ran_on)
+
+    def broken(shapes, dtype, device, rows):
+        raise RuntimeError("no kernel for this dtype")
+
+    monkeypatch.setattr(dc, "decode_step_timer", broken)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "fresh"))
+    with pytest.raises(RuntimeError, match="no kernel for this dtype"):
+        dc.auto_dtype(hf, torch.device("cpu"))
+
+
 def test_dtype_auto_real_measurement_runs_on_this_machine(monkeypatch, tmp_path):
     import engine.dtype_choice as dc
 
