@@ -20,9 +20,9 @@ at the plain step's rate, 270 MB in 21.9 ms, would take 1.5 ms). Table in docs/p
 ``--layers`` adds a second table: the target pass itself, by its number of query rows (a plain
 step has one per request; a step verifying a tree of 32 drafts has 33 for its request), split
 into the decoder layers' four products, attention (K/V write and kernel), the two norms, and
-the rest (RoPE, SiLU, residual adds, Python). On the same machine kind (twenty-sixth session)
-a 33-row pass took 27.6 ms against 16.1 for one row: products 16.7 against 11.7, attention
-3.4 against 0.7, the rest 5.9 against 3.0.
+the rest (RoPE, SiLU, residual adds, Python). On the same machine kind (twenty-sixth session,
+after that session's changes) a 33-row pass took 27.2 ms against 15.3 for one row: products
+17.2 against 11.2, attention 4.0 against 1.0, the rest 4.6 against 2.5.
 
     python benchmarks/bench_step_phases.py --ks 0 7 --prompts 4 --max-tokens 128 --layers
 """
