@@ -25,6 +25,12 @@ after that session's changes) a 33-row pass took 27.2 ms against 15.3 for one ro
 17.2 against 11.2, attention 4.0 against 1.0, the rest 4.6 against 2.5.
 
     python benchmarks/bench_step_phases.py --ks 0 7 --prompts 4 --max-tokens 128 --layers
+
+``--ks -1`` runs the served default (the adaptive controller); ``--arrivals`` gives the engine
+every prompt at once with room for ``--concurrency`` of them, so requests arrive as others
+finish, as under that many clients of a server:
+
+    python benchmarks/bench_step_phases.py --ks 0 -1 --prompts 24 --concurrency 8 --arrivals
 """
 
 from __future__ import annotations
@@ -184,14 +190,24 @@ def phases(totals: dict[str, float]) -> dict[str, float]:
     return out
 
 
+ADAPTIVE = -1  # ``--ks`` entry for the served default: the adaptive controller, the draft's tree
+
+
 def run_config(k: int, common: dict, draft: str | None, prompts: list, max_tokens: int,
-               concurrency: int, layers: bool = False) -> dict:
+               concurrency: int, layers: bool = False, arrivals: bool = False) -> dict:
     """One configuration in this process: a warm-up prompt, then every prompt in batches of
-    ``concurrency``; totals per part, steps and tokens."""
+    ``concurrency`` (with ``arrivals``: all at once into an engine that runs at most
+    ``concurrency``, so a request starts whenever another finishes, prefills among decodes,
+    as a server under that many clients sees them); totals per part, steps and tokens."""
     from engine import LLM, SamplingParams
 
-    spec = "none" if k == 0 else {"method": "dflash", "model": draft, "adaptive": False,
-                                  "num_speculative_tokens": k}
+    if k == ADAPTIVE:
+        spec = {"method": "dflash", "model": draft}
+    else:
+        spec = "none" if k == 0 else {"method": "dflash", "model": draft, "adaptive": False,
+                                      "num_speculative_tokens": k}
+    if arrivals:
+        common = {**common, "max_num_seqs": concurrency}
     llm = LLM(speculative_config=spec, **common)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], params)  # first calls of each shape (kernels, allocations)
@@ -199,8 +215,9 @@ def run_config(k: int, common: dict, draft: str | None, prompts: list, max_token
     by_rows = instrument_layers(llm) if layers else {}
     tokens = 0
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), concurrency):
-        outs = llm.generate(prompts[i:i + concurrency], params)
+    step = len(prompts) if arrivals else concurrency
+    for i in range(0, len(prompts), step):
+        outs = llm.generate(prompts[i:i + step], params)
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     wall = time.perf_counter() - t0
     return {"k": k, "phases": phases(totals), "steps": calls["step"], "tokens": tokens,
@@ -218,7 +235,8 @@ def load_prompts(model: str, count: int) -> list:
 
 
 def table(results: list[dict]) -> str:
-    heads = [f"K = {r['k']}" if r["k"] else "no speculation" for r in results]
+    heads = ["adaptive" if r["k"] == ADAPTIVE else f"K = {r['k']}" if r["k"]
+             else "no speculation" for r in results]
     lines = ["| ms per step | " + " | ".join(heads) + " |", "|---" * (len(results) + 1) + "|"]
     for key, label in ROWS:
         cells = [f"{1e3 * r['phases'][key] / max(1, r['steps']):.2f}" for r in results]
@@ -238,7 +256,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft", default=None, help="DFlash draft (default: the model's default)")
-    p.add_argument("--ks", type=int, nargs="+", default=[0, 3, 7])
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 3, 7],
+                   help=f"0: no speculation; K: verify K drafts every step; {ADAPTIVE}: the "
+                        "served default (adaptive controller)")
+    p.add_argument("--arrivals", action="store_true",
+                   help="submit every prompt at once to an engine running at most "
+                        "--concurrency requests (requests arrive as others finish)")
     p.add_argument("--prompts", type=int, default=4, help="held-out chat prompts")
     p.add_argument("--prompt-ids", type=int, nargs="+", action="append", default=None,
                    help="token-id prompts instead of chat prompts (repeat for several)")
@@ -259,8 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     draft = str(draft) if draft else None
     common = {"model": args.model, "dtype": args.dtype}
     prompts = args.prompt_ids or load_prompts(args.model, args.prompts)
-    jobs = [(k, common, draft, prompts, args.max_tokens, args.concurrency, args.layers)
-            for k in args.ks]
+    jobs = [(k, common, draft, prompts, args.max_tokens, args.concurrency, args.layers,
+             args.arrivals) for k in args.ks]
     if args.in_process:
         results = [run_config(*job) for job in jobs]
     else:

@@ -48,3 +48,34 @@ def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
             assert 0 < inside <= parts["pass"] and parts["attention"] > 0 and parts["down"] > 0
     out = capsys.readouterr().out
     assert "ms per target pass, by its query rows:" in out and "| query rows | passes |" in out
+
+
+def test_the_adaptive_default_with_arrivals(tmp_path, capsys, monkeypatch):
+    """``--ks -1`` is the served default; ``--arrivals`` gives the engine all prompts at once
+    with room for ``--concurrency``, so the third prompt starts when one of the others ends."""
+    from engine import LLM
+
+    target = save_target(tmp_path / "target")
+    save_draft(tmp_path / "draft")
+    submitted, room = [], []
+    generate, init = LLM.generate, LLM.__init__
+
+    def recording_generate(self, prompts, *args, **kwargs):
+        submitted.append(len(prompts))
+        return generate(self, prompts, *args, **kwargs)
+
+    def recording_init(self, *args, **kwargs):
+        room.append(kwargs.get("max_num_seqs"))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "generate", recording_generate)
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    results = bench_step_phases.main([
+        "--model", str(target), "--draft", str(tmp_path / "draft"), "--ks", "0", "-1",
+        "--prompt-ids", "5", "6", "7", "--prompt-ids", "9", "10", "--prompt-ids", "4", "8",
+        "--max-tokens", "6", "--concurrency", "2", "--arrivals", "--dtype", "float32",
+        "--in-process"])
+    plain, adaptive = results
+    assert plain["tokens"] == adaptive["tokens"] == 3 * 6
+    assert room == [2, 2] and submitted == [1, 3, 1, 3]  # warm-up, then all three at once
+    assert "| ms per step | no speculation | adaptive |" in capsys.readouterr().out
