@@ -40,6 +40,7 @@ import multiprocessing as mp
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +111,11 @@ LAYER_PARTS = (
 )
 
 
-def instrument_layers(llm) -> dict[int, dict[str, float]]:
+def instrument_layers(llm) -> tuple[dict[int, dict[str, float]], Callable[[], None]]:
     """Time the parts of the target's passes, keyed by the pass's query rows: totals (seconds)
     per part, plus ``passes`` and ``pass`` (the whole forward). Only the target's own calls
-    count (the draft runs outside its forward)."""
+    count (the draft runs outside its forward). Also returns the function that takes the
+    class-level attention timers off again (the module-level ones go with the model)."""
     model = llm.engine.runner.model
     by_rows: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     active: list[int] = []  # the rows of the target pass running now (empty: none)
@@ -141,8 +143,14 @@ def instrument_layers(llm) -> dict[int, dict[str, float]]:
     # attention: the metadata object of each step is new, so its class's method is wrapped
     from attention.backends import torch_backend
 
-    for cls in (torch_backend.PagedMetadata, torch_backend.TorchMetadata):
+    classes = (torch_backend.PagedMetadata, torch_backend.TorchMetadata)
+    untimed = [cls.attend for cls in classes]
+    for cls in classes:
         cls.attend = timed(cls.attend, "attention")
+
+    def restore() -> None:
+        for cls, attend in zip(classes, untimed):
+            cls.attend = attend
     forward = model.forward
 
     def whole(input_ids, *args, **kwargs):
@@ -156,12 +164,13 @@ def instrument_layers(llm) -> dict[int, dict[str, float]]:
             by_rows[rows]["passes"] += 1
 
     model.forward = whole
-    return by_rows
+    return by_rows, restore
 
 
 def layer_table(results: list[dict], min_passes: int = 20) -> str:
     """ms per target pass by query rows (rows seen in at least ``min_passes`` passes: decode
-    and verification shapes, not the odd prefill)."""
+    and verification shapes, not the odd prefill). A row count that several configurations
+    ran is shown once, from the first of them that ran it that often."""
     heads = ["query rows", "passes", "target pass"] + [label for _, label in LAYER_PARTS] + ["rest"]
     lines = ["| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
     seen: dict[int, dict[str, float]] = {}
@@ -212,13 +221,16 @@ def run_config(k: int, common: dict, draft: str | None, prompts: list, max_token
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], params)  # first calls of each shape (kernels, allocations)
     totals, calls = instrument(llm)
-    by_rows = instrument_layers(llm) if layers else {}
+    by_rows, restore = instrument_layers(llm) if layers else ({}, lambda: None)
     tokens = 0
     t0 = time.perf_counter()
     step = len(prompts) if arrivals else concurrency
-    for i in range(0, len(prompts), step):
-        outs = llm.generate(prompts[i:i + step], params)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    try:
+        for i in range(0, len(prompts), step):
+            outs = llm.generate(prompts[i:i + step], params)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    finally:
+        restore()
     wall = time.perf_counter() - t0
     return {"k": k, "phases": phases(totals), "steps": calls["step"], "tokens": tokens,
             "wall": wall, "layers": {rows: dict(parts) for rows, parts in by_rows.items()}}

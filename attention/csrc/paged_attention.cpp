@@ -28,11 +28,10 @@
 // so order-free, but the denominator sums in 16 lanes by position mod 16, so positions matter
 // there; and P.V adds p_j * v_j in order of j, so exact zeros p_j = 0 interleaved with the
 // visible positions change nothing (fma(0, v, a) = a: the accumulator starts at +0 and is
-// never -0). So a tree
-// row's scores are computed over its physical extent (base + its offset + 1, as a causal row
-// at that offset), compacted into logical order before the softmax, which then runs exactly
-// as for a causal row of the logical length, and scattered back (zeros at the hidden offsets)
-// for the P.V pass over the physical extent.
+// never -0). So a tree row's scores are computed over its physical extent (base + its
+// offset + 1, as a causal row at that offset), compacted into logical order before the
+// softmax, which then runs exactly as for a causal row of the logical length, and scattered
+// back (zeros at the hidden offsets) for the P.V pass over the physical extent.
 //
 // Work is split into tasks (request, tile of query positions), each over every kv head, so a
 // task sweeps each page's K (then V) of all heads at once (in NHD one run of memory per

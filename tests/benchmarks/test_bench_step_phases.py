@@ -32,6 +32,9 @@ def test_parts_add_up_inside_the_step_and_the_table_prints(tmp_path, capsys):
 def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
     """``--layers``: the parts of each target pass are timed by its query rows (1 for a plain
     decode, K + 1 for a verification of K drafts) and fit inside the pass."""
+    from attention.backends import torch_backend
+
+    attend_before = (torch_backend.PagedMetadata.attend, torch_backend.TorchMetadata.attend)
     target = save_target(tmp_path / "target")
     save_draft(tmp_path / "draft")
     results = bench_step_phases.main([
@@ -48,6 +51,10 @@ def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
             assert 0 < inside <= parts["pass"] and parts["attention"] > 0 and parts["down"] > 0
     out = capsys.readouterr().out
     assert "ms per target pass, by its query rows:" in out and "| query rows | passes |" in out
+    # the attention timers were on the metadata classes: taken off again after each run
+    from attention.backends import torch_backend
+
+    assert attend_before == (torch_backend.PagedMetadata.attend, torch_backend.TorchMetadata.attend)
 
 
 def test_the_adaptive_default_with_arrivals(tmp_path, capsys, monkeypatch):
