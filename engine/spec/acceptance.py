@@ -92,17 +92,27 @@ class AcceptanceModel:
         self.global_counts = DecayedRates.empty(k, global_decay)
         self.version = 0  # counts the verifications observed: every curve may have moved
         self._fresh: tuple[int, list[float]] | None = None  # gains of a fresh request
+        self._global: tuple[int, list[float]] | None = None  # engine-wide rates, by version
 
     def new_request(self) -> DecayedRates:
         return DecayedRates.empty(self.k, self.request_decay)
 
     def global_rates(self) -> list[float]:
-        return self.global_counts.rates(self.seed, self.seed_weight)
+        return list(self._global_rates())
+
+    def _global_rates(self) -> list[float]:
+        """The engine-wide curve (every request's prior), computed once per version (shared:
+        do not modify)."""
+        if self._global is None or self._global[0] != self.version:
+            self._global = (self.version, self.global_counts.rates(self.seed, self.seed_weight))
+        return self._global[1]
 
     def rates(self, state: DecayedRates | None, prior: list[float] | None = None) -> list[float]:
         """Conditional acceptance per position for a request (``None``: a fresh one)."""
-        prior = self.global_rates() if prior is None else prior
-        return prior if state is None else state.rates(prior, self.request_weight)
+        if state is None:
+            return list(self._global_rates()) if prior is None else prior
+        return state.rates(self._global_rates() if prior is None else prior,
+                           self.request_weight)
 
     def gains(self, state: DecayedRates | None) -> list[float]:
         """:func:`expected_gains` of a request's curve (``None``: a fresh one), computed once
@@ -110,7 +120,7 @@ class AcceptanceModel:
         speculation to pay) no curve moves, and each step's plan reads them again."""
         if state is None:
             if self._fresh is None or self._fresh[0] != self.version:
-                self._fresh = (self.version, expected_gains(self.global_rates(), self.parents))
+                self._fresh = (self.version, expected_gains(self._global_rates(), self.parents))
             return self._fresh[1]
         if state.cached is None or state.cached[0] != self.version:
             state.cached = (self.version, expected_gains(self.rates(state), self.parents))

@@ -162,9 +162,14 @@ class SpecController:
         expected = rows + np.concatenate(([0.0], np.cumsum(gains[order])))
         base = other_tokens + sum(c.tokens for c in cands)
         times = cost.step_times(rows, base + np.arange(len(gains) + 1))
+        # the extra token that makes a request draft at all: its first gain, which (gains
+        # usable in a prefix of each row, the sort stable) comes first among its own
+        counts = usable.sum(axis=1)
+        starts = (np.cumsum(counts) - counts)[counts > 0]  # flat index of each first gain
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
         first = np.zeros(len(gains) + 1)
-        _, where = np.unique(who, return_index=True)
-        first[where + 1] = 1.0  # the extra token that makes a request draft at all
+        first[rank[starts] + 1] = 1.0
         assert self.realized is not None
         discount = self.realized.correction(cost.row_bucket(rows))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("specserve.spec")
@@ -42,6 +42,18 @@ class DraftTree:
     depths: tuple[int, ...]  # depths[j - 1]: node j's slot in the draft block (1-based)
     ranks: tuple[int, ...]  # ranks[j - 1]: node j's rank among its slot's candidates
     conditional: tuple[float, ...] | None = None  # measured P(node | parent accepted)
+    # leading[d]: how many leading nodes have depth at most d (d = 0 .. max_depth); the
+    # scheduler asks for every sampling request every step, so it is a lookup
+    leading: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        counts = []
+        for d in range(max(self.depths, default=0) + 1):
+            k = 0
+            while k < len(self.depths) and self.depths[k] <= d:
+                k += 1
+            counts.append(k)
+        object.__setattr__(self, "leading", tuple(counts))
 
     @classmethod
     def from_paths(cls, paths, conditional=None) -> DraftTree:
@@ -106,10 +118,9 @@ class DraftTree:
 
     def nodes_within(self, max_depth: int, max_nodes: int) -> int:
         """How many leading nodes fit ``max_depth`` accepted tokens and ``max_nodes`` rows."""
-        k = 0
-        while k < min(max_nodes, self.num_nodes) and self.depths[k] <= max_depth:
-            k += 1
-        return k
+        if max_depth <= 0 or max_nodes <= 0:
+            return 0
+        return min(max_nodes, self.leading[min(max_depth, len(self.leading) - 1)])
 
     def window_parents(self, k: int) -> list[int] | None:
         """Parents of a window's first ``k`` nodes; ``None`` when they form a chain."""

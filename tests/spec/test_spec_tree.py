@@ -44,6 +44,32 @@ def test_tree_from_paths():
     assert t.window_parents(1) is None and t.window_parents(3) == [0, 0, 1]
 
 
+def test_nodes_within_is_the_leading_walk():
+    """The lookup the scheduler uses equals walking the leading nodes while they fit, for
+    random trees and every depth and row limit (including none and past the tree)."""
+    rng = random.Random(3)
+
+    def walk(t: DraftTree, depth: int, rows: int) -> int:
+        k = 0
+        while k < min(rows, t.num_nodes) and t.depths[k] <= depth:
+            k += 1
+        return k
+
+    trees = [DraftTree.from_paths(PATHS), DraftTree.chain(5)]
+    for _ in range(20):
+        paths: list[list[int]] = []
+        while len(paths) < rng.randint(1, 30):
+            parent = rng.choice([[]] + paths)
+            child = parent + [rng.randint(0, 3)]
+            if child not in paths:
+                paths.append(child)
+        trees.append(DraftTree.from_paths(paths))
+    for t in trees:
+        for depth in range(-1, t.max_depth + 3):
+            for rows in range(-1, t.num_nodes + 3):
+                assert t.nodes_within(depth, rows) == walk(t, depth, rows), (t.paths, depth, rows)
+
+
 @pytest.mark.parametrize("paths,match", [
     ([[0, 0], [0]], "before its parent"),
     ([[0], [0]], "twice"),
