@@ -133,6 +133,19 @@ SYNTH_ARGS13 ?= --seed 13 --num 1800 --turn2 150 --num-gsm8k 300 --gsm8k-from 30
                --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
 SYNTH_ARGS14 ?= --seed 14 --num 2000 --turn2 150 --num-gsm8k 200 --gsm8k-from 3300 \
                --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+DRAFT_DATA15 ?= $(HOME)/.cache/specserve/dflash-data-v15
+DRAFT_DATA16 ?= $(HOME)/.cache/specserve/dflash-data-v16
+DRAFT_DATA17 ?= $(HOME)/.cache/specserve/dflash-data-v17
+DRAFT_RUN7AVG ?= $(HOME)/.cache/specserve/dflash-run7-average
+DRAFT_RUN8  ?= $(HOME)/.cache/specserve/dflash-run8
+DRAFT_RUN8B ?= $(HOME)/.cache/specserve/dflash-run8b
+SYNTH_ARGS15 ?= --seed 15 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 3500 \
+               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS16 ?= --seed 16 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
+               --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS17 ?= --seed 17 --num 0 --turn2 0 --num-gsm8k 1200 --gsm8k-from 0 --sources gsm8k_train \
+               --max-tokens 256 --batch 64 --chunk 512
+DATA8 = $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) $(DRAFT_DATA16)
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
 train-draft: setup
@@ -183,10 +196,26 @@ train-draft: setup
 	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) \
 	    --out $(DRAFT_RUN7) $(TRAIN_ARGS2) --init $(DRAFT_RUN6AVG) --vocab-from $(DRAFT_RUN6AVG) \
 	    --ema 0.999 --resume
-	mkdir -p models/drafts/smollm2-135m-instruct-dflash
 	$(PY) scripts/average_drafts.py $(DRAFT_RUN7)/draft-raw $(DRAFT_RUN6AVG) --weight 0.5 \
+	    --out $(DRAFT_RUN7AVG)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA15) $(SYNTH_ARGS15) \
+	    --dedup-against $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA16) $(SYNTH_ARGS16) \
+	    --dedup-against $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) $(DRAFT_DATA15)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA17) $(SYNTH_ARGS17)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA15) --layers 1 14 27
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA16) --layers 1 14 27
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA17) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DATA8) $(DRAFT_DATA15) --out $(DRAFT_RUN8) \
+	    $(TRAIN_ARGS2) --steps 3000 --eval-every 1000 --init $(DRAFT_RUN7AVG) \
+	    --vocab-from $(DRAFT_RUN7AVG) --resume
+	$(PY) scripts/train_dflash.py --data $(DATA8) $(DRAFT_DATA17) $(DRAFT_DATA15) \
+	    --out $(DRAFT_RUN8B) $(TRAIN_ARGS2) --steps 1000 --lr 1.5e-4 --init $(DRAFT_RUN8)/draft \
+	    --vocab-from $(DRAFT_RUN7AVG) --resume
+	mkdir -p models/drafts/smollm2-135m-instruct-dflash
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN8B)/draft $(DRAFT_RUN7AVG) --weight 0.5 \
 	    --out models/drafts/smollm2-135m-instruct-dflash
-	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA14) --draft models/drafts/smollm2-135m-instruct-dflash \
+	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA15) --draft models/drafts/smollm2-135m-instruct-dflash \
 	    --val-split 200 --tree-nodes 32 --write-tree models/drafts/smollm2-135m-instruct-dflash/tree.json
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
