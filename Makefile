@@ -88,6 +88,10 @@ bench-peers:
 # from 3,000 and second turns), continued from stage 6's draft on those pieces alone (with a
 # running weight average, which is logged; the last trained weights are what is kept), then
 # averaged half and half with stage 6's draft.
+# Stage 8: three more pieces (seed 15 chat, GSM8K train from 3,500 and second turns; seed 16
+# programming requests; GSM8K train 0-1,199 again), continued from stage 7's draft on pieces
+# 12-16, then once more with piece 17 at half the learning rate, then averaged half and half
+# with stage 7's draft; the tree is refitted on piece 15.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
