@@ -20,6 +20,8 @@ being accepted when its parent is (the acceptance model's seed).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -42,18 +44,12 @@ class DraftTree:
     depths: tuple[int, ...]  # depths[j - 1]: node j's slot in the draft block (1-based)
     ranks: tuple[int, ...]  # ranks[j - 1]: node j's rank among its slot's candidates
     conditional: tuple[float, ...] | None = None  # measured P(node | parent accepted)
-    # leading[d]: how many leading nodes have depth at most d (d = 0 .. max_depth); the
-    # scheduler asks for every sampling request every step, so it is a lookup
-    leading: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # peaks[j]: the deepest of nodes 1..j+1 (non-decreasing), so the leading nodes within a
+    # depth are a bisection; the scheduler asks for every sampling request every step
+    peaks: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        counts = []
-        for d in range(max(self.depths, default=0) + 1):
-            k = 0
-            while k < len(self.depths) and self.depths[k] <= d:
-                k += 1
-            counts.append(k)
-        object.__setattr__(self, "leading", tuple(counts))
+        object.__setattr__(self, "peaks", tuple(itertools.accumulate(self.depths, max)))
 
     @classmethod
     def from_paths(cls, paths, conditional=None) -> DraftTree:
@@ -118,9 +114,7 @@ class DraftTree:
 
     def nodes_within(self, max_depth: int, max_nodes: int) -> int:
         """How many leading nodes fit ``max_depth`` accepted tokens and ``max_nodes`` rows."""
-        if max_depth <= 0 or max_nodes <= 0:
-            return 0
-        return min(max_nodes, self.leading[min(max_depth, len(self.leading) - 1)])
+        return max(0, min(max_nodes, bisect.bisect_right(self.peaks, max_depth)))
 
     def window_parents(self, k: int) -> list[int] | None:
         """Parents of a window's first ``k`` nodes; ``None`` when they form a chain."""

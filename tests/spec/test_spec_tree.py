@@ -58,7 +58,8 @@ def test_nodes_within_is_the_leading_walk():
     trees = [DraftTree.from_paths(PATHS), DraftTree.chain(5)]
     for _ in range(20):
         paths: list[list[int]] = []
-        while len(paths) < rng.randint(1, 30):
+        size = rng.randint(1, 30)
+        while len(paths) < size:
             parent = rng.choice([[]] + paths)
             child = parent + [rng.randint(0, 3)]
             if child not in paths:
