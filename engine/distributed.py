@@ -6,7 +6,9 @@ broadcasts the target pass (token ids, positions and the ``AttentionBatch`` ever
 from) to the workers, and all ranks run their shard of the target in lockstep (two all-reduces
 per layer, see ``models.parallel``). After the last all-reduce every rank holds the complete
 hidden states, so rank 0 computes the logits and the draft's tapped states from its own copy:
-nothing is gathered back.
+nothing is gathered back. When a tree window's accepted nodes move to the slots of their depths
+(``ModelRunner.move_slots``), each worker makes the same copies of its own heads when the next
+pass arrives, before running it.
 
 Process groups (built from a ``TCPStore`` hosted by rank 0, not registered as the default
 group, so several engines can live in one process):
@@ -278,10 +280,13 @@ class TensorParallelGroup:
         if any(p.exitcode is not None for p in self.procs):
             raise self.failure(None)
 
-    def send_step(self, ids: list[int], positions: torch.Tensor, batch: AttentionBatch) -> None:
+    def send_step(self, ids: list[int], positions: torch.Tensor, batch: AttentionBatch,
+                  moves: list[tuple[list[int], list[int]]]) -> None:
+        """Send one target pass; ``moves``: K/V slot copies ``(src, dst)`` rank 0 made since
+        the last pass, which each worker applies to its own heads, in order, before it."""
         self.check_alive()
         try:
-            self.comm.broadcast_object(("step", ids, positions, batch))
+            self.comm.broadcast_object(("step", ids, positions, batch, moves))
         except RuntimeError as exc:
             raise self.failure(exc) from exc
 
@@ -325,15 +330,24 @@ class TensorParallelGroup:
 
 
 class TPModelRunner(ModelRunner):
-    """The runner of rank 0: every target pass is first sent to the workers."""
+    """The runner of rank 0: every target pass is first sent to the workers, with the K/V
+    moves of accepted tree nodes made since the one before."""
 
     def __init__(self, tp: TensorParallelGroup, *args: Any) -> None:
         super().__init__(*args)
         self.tp = tp
+        self._moves: list[tuple[list[int], list[int]]] = []
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        # The workers move their heads when the next pass arrives, before it runs: nothing
+        # reads or writes their K/V in between, so no message of its own is needed
+        super().move_slots(src, dst)
+        self._moves.append((src, dst))
 
     def run_target(self, ids: list[int], positions: torch.Tensor, batch: AttentionBatch,
                    capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.tp.send_step(ids, positions, batch)
+        moves, self._moves = self._moves, []
+        self.tp.send_step(ids, positions, batch, moves)
         try:
             return super().run_target(ids, positions, batch, capture)
         except RuntimeError as exc:

@@ -180,12 +180,17 @@ class ModelRunner:
             dst_rows += [row + d for d, _ in moved]
         if not src_slots:
             return captured
-        copy_slots(self.kv_layers, src_slots, dst_slots, self.device)
+        self.move_slots(src_slots, dst_slots)
         if captured is not None:
             src = torch.tensor(src_rows, dtype=torch.long, device=captured.device)
             dst = torch.tensor(dst_rows, dtype=torch.long, device=captured.device)
             captured = captured.index_copy(0, dst, captured.index_select(0, src))
         return captured
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the target's K/V of slots ``src`` to ``dst`` (tensor parallelism overrides
+        this to have every rank move its own heads)."""
+        copy_slots(self.kv_layers, src, dst, self.device)
 
     @staticmethod
     def _proposal_item(

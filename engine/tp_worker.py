@@ -52,6 +52,7 @@ def _serve(args: WorkerArgs, store: dist.Store) -> None:
     from attention.groups import LayerKVSpec, build_groups
     from attention.layout import choose_layout
     from engine.kv_pool import KVPool
+    from engine.runner import copy_slots
     from models.parallel import load_target_shard
 
     device = torch.device(args.device)
@@ -97,7 +98,9 @@ def _serve(args: WorkerArgs, store: dist.Store) -> None:
             msg = comm.broadcast_object()
             if msg is None:
                 return
-            _, ids, positions, batch = msg
+            _, ids, positions, batch, moves = msg
+            for src, dst in moves:  # accepted tree nodes rank 0 moved after the last pass
+                copy_slots(kv_layers, src, dst, device)
             meta = backend.build_metadata(batch, device)
             model(torch.tensor(ids, dtype=torch.long, device=device), positions.to(device),
                   meta, kv_layers, ())

@@ -208,7 +208,7 @@ class DFlashProposer:
             return DFlash2Proposer(*args, seed=config.model.seed)
         try:
             tree = load_tree(spec.tree, spec.model, k,
-                             unsupported(config.attention_backend, config.tensor_parallel_size))
+                             unsupported(config.attention_backend))
         except TreeError as exc:
             raise ConfigError(f"speculative_config.tree: {exc}", "speculative_config.tree") from exc
         return cls(*args, tree=tree)

@@ -163,12 +163,10 @@ def accepted_path(parents: list[int] | None, drafts: list[int], targets: list[in
         row = nxt
 
 
-def unsupported(attention_backend: str, tensor_parallel_size: int) -> str | None:
+def unsupported(attention_backend: str) -> str | None:
     """Why trees cannot be verified with this engine shape (``None``: they can)."""
     if attention_backend.strip().lower() == "flashinfer":
         return "the flashinfer backend has no tree masks yet"
-    if tensor_parallel_size > 1:
-        return "tensor-parallel ranks do not move accepted nodes' K/V yet"
     return None
 
 

@@ -238,7 +238,7 @@ def test_hung_worker_times_out(models, restore_threads, monkeypatch):
 @pytest.mark.slow
 def test_real_smollm2_tp3_with_dflash_equals_tp1(restore_threads):
     """SmolLM2-135M (9 query, 3 KV heads: TP=3), float32, its shipped DFlash draft verifying
-    a fixed K on rank 0: greedy tokens equal one rank without speculation."""
+    every node of its tree on rank 0: greedy tokens equal one rank without speculation."""
     from engine.args import default_draft_for
     from models.resolve import DEFAULT_MODEL, resolve_model_path
 
@@ -255,6 +255,7 @@ def test_real_smollm2_tp3_with_dflash_equals_tp1(restore_threads):
     llm = make_llm(DEFAULT_MODEL, {"method": "dflash", "model": str(draft)},
                    tensor_parallel_size=3, **args)
     try:
+        assert llm.engine.proposer.tree is not None  # the draft's tree.json
         assert token_ids(llm.generate(prompts, _params(16))) == want
         assert llm.get_spec_decoding_stats().num_drafts > 0
     finally:

@@ -277,6 +277,26 @@ def test_tree_oracle_under_preemption_and_chunked_prefill(qwen3_target, draft_di
     assert llm.get_spec_decoding_stats().num_accepted_tokens > 0
 
 
+def test_tree_oracle_tensor_parallel_equals_plain(qwen3_target, draft_dir, baseline_cache):
+    """Two ranks (gloo), each holding one of the target's two KV heads: windows accepted
+    through side branches move on both ranks, so outputs equal plain decoding's."""
+    want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS)
+    threads = torch.get_num_threads()
+    llm = _tree_llm(qwen3_target, draft_dir, tensor_parallel_size=2)
+    try:
+        assert llm.engine.proposer.tree is not None
+        futures = {tuple(p): w for p, w in zip(PROMPTS, want)}
+        oracle = TreeOracle(futures, llm.engine.proposer.tree, 256, seed=5)
+        llm.engine.runner.proposer = oracle
+        got = token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS]))
+        assert_same_tokens(got, want, "tree oracle, 2 ranks")
+        assert oracle.off_first_branch > 5
+        assert llm.get_spec_decoding_stats().num_accepted_tokens_per_pos[2] > 0
+    finally:
+        llm.engine.tp.shutdown()
+        torch.set_num_threads(threads)
+
+
 def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, baseline_cache):
     """The real DFlash proposer offering a tree: greedy and seeded outputs equal plain ones."""
     want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS)
@@ -315,6 +335,7 @@ def test_accepted_side_branch_moves_to_the_slots_of_its_depths(layout):
                         accepted_paths={"r": [2, 4]})
     captured = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)  # 2 other rows first
     runner = SimpleNamespace(kv_layers=layers, block_size=bs, device=torch.device("cpu"))
+    runner.move_slots = lambda src, dst: ModelRunner.move_slots(runner, src, dst)
     out = ModelRunner._keep_paths(runner, StepPlan([item]), {"r": 2}, result, captured)
 
     def slot(p):  # K and V of position p: [block, :, offset] of the logical view
