@@ -150,6 +150,16 @@ SYNTH_ARGS16 ?= --seed 16 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --
 SYNTH_ARGS17 ?= --seed 17 --num 0 --turn2 0 --num-gsm8k 1200 --gsm8k-from 0 --sources gsm8k_train \
                --max-tokens 256 --batch 64 --chunk 512
 DATA8 = $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) $(DRAFT_DATA16)
+DRAFT_DATA18 ?= $(HOME)/.cache/specserve/dflash-data-v18
+DRAFT_DATA19 ?= $(HOME)/.cache/specserve/dflash-data-v19
+DRAFT_RUN8AVG ?= $(HOME)/.cache/specserve/dflash-run8-average
+DRAFT_RUN9  ?= $(HOME)/.cache/specserve/dflash-run9
+DRAFT_RUN9B ?= $(HOME)/.cache/specserve/dflash-run9b
+SYNTH_ARGS18 ?= --seed 18 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 3900 \
+               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS19 ?= --seed 19 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
+               --max-tokens 256 --batch 64 --chunk 512
+DATA9 = $(DATA8) $(DRAFT_DATA15) $(DRAFT_DATA17) $(DRAFT_DATA19) $(DRAFT_DATA18)
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
 train-draft: setup
@@ -216,10 +226,23 @@ train-draft: setup
 	$(PY) scripts/train_dflash.py --data $(DATA8) $(DRAFT_DATA17) $(DRAFT_DATA15) \
 	    --out $(DRAFT_RUN8B) $(TRAIN_ARGS2) --steps 1000 --lr 1.5e-4 --init $(DRAFT_RUN8)/draft \
 	    --vocab-from $(DRAFT_RUN7AVG) --resume
-	mkdir -p models/drafts/smollm2-135m-instruct-dflash
 	$(PY) scripts/average_drafts.py $(DRAFT_RUN8B)/draft $(DRAFT_RUN7AVG) --weight 0.5 \
+	    --out $(DRAFT_RUN8AVG)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA18) $(SYNTH_ARGS18) \
+	    --dedup-against $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) $(DRAFT_DATA15)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA19) $(SYNTH_ARGS19) \
+	    --dedup-against $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) $(DRAFT_DATA15) \
+	    $(DRAFT_DATA16) $(DRAFT_DATA18)
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA18) --layers 1 14 27
+	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA19) --layers 1 14 27
+	$(PY) scripts/train_dflash.py --data $(DATA9) --out $(DRAFT_RUN9) $(TRAIN_ARGS2) \
+	    --steps 3000 --eval-every 1000 --init $(DRAFT_RUN8AVG) --vocab-from $(DRAFT_RUN8AVG) --resume
+	$(PY) scripts/train_dflash.py --data $(DATA9) --out $(DRAFT_RUN9B) $(TRAIN_ARGS2) \
+	    --steps 1500 --lr 1.5e-4 --init $(DRAFT_RUN9)/draft --vocab-from $(DRAFT_RUN8AVG) --resume
+	mkdir -p models/drafts/smollm2-135m-instruct-dflash
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN9B)/draft $(DRAFT_RUN8AVG) --weight 0.5 \
 	    --out models/drafts/smollm2-135m-instruct-dflash
-	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA15) --draft models/drafts/smollm2-135m-instruct-dflash \
+	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA18) --draft models/drafts/smollm2-135m-instruct-dflash \
 	    --val-split 200 --tree-nodes 32 --write-tree models/drafts/smollm2-135m-instruct-dflash/tree.json
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
