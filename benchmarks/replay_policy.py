@@ -77,17 +77,17 @@ def record(data: Path, out: Path, draft_dir: Path, model: str, taps: list[int]) 
 
 def believed_costs(step_ms: list[float], draft_ms: float, believe: str) -> StepCostModel:
     """A one-row cost table on the ladder 1, 2, 4, ... tokens (as the engine measures it)."""
-    per_row, q = [], 1
+    tokens, q = [], 1
     while q < len(step_ms):
-        per_row.append(q)
+        tokens.append(q)
         q *= 2
-    per_row.append(len(step_ms))
-    line = [step_ms[q - 1] / 1e3 for q in per_row]
+    tokens.append(len(step_ms))
+    line = [step_ms[q - 1] / 1e3 for q in tokens]
     draft = draft_ms / 1e3
     if believe == "noisy":  # measured once: a 1.54x price on the full block, 4.9 ms of draft
         line = [line[0]] * (len(line) - 1) + [1.54 * line[0]]
         draft = max(draft, 0.33 * line[0])
-    return StepCostModel([1], per_row, [line], [draft])
+    return StepCostModel([1], tokens, [line], [draft], max_per_row=len(step_ms))
 
 
 def replay(traces: list[list[int]], policy: str, *, k_max: int, step_ms: list[float],

@@ -3,13 +3,22 @@
 ``step_time(rows, tokens)`` is the time of one engine step (target forward, sampling, the
 draft's context update) with ``rows`` requests and ``tokens`` query tokens in all;
 ``draft_time(rows)`` is what a DFlash block pass for ``rows`` requests adds. Both come from a
-grid measured at startup with the real runner on synthetic requests (rows 1, 4, 16, 64 and
-1, 2, 4, 8, ... tokens per row, within a few seconds), interpolated in between, cached per
-machine and model, and refined online from the timings of real steps: a plain step moves the
-level of its rows' whole line (every block size alike), a verifying step only the block-size
-columns it was priced from, a drafting step the draft curve with the proposer's drafting time
-(``Proposer.draft_seconds``: the block pass, not the draft context it catches up) and the table
-with the rest. A line is read non-decreasing in tokens per row.
+grid measured at startup with the real runner on synthetic requests (rows 1, 4, 16, 64; total
+query tokens at powers of two and on both sides of 16, 32, 48 and 64, within a few seconds),
+interpolated in between, cached per machine and model, and refined online from the timings of
+real steps: a plain step moves the level of its rows' whole line (every block size alike), a
+verifying step only the token columns it was priced from, a drafting step the draft curve with
+the proposer's drafting time (``Proposer.draft_seconds``: the block pass, not the draft context
+it catches up) and the table with the rest. A line is read non-decreasing in tokens.
+
+The token axis counts a step's query tokens in all, not per row, because the products that
+dominate a CPU step cost by their rows in all: with AMX, oneDNN runs them in tiles of 16 rows,
+and a step of 17 query tokens took 3.3-3.8 ms more than one of 16 at 1, 4 and 8 requests alike
+(SmolLM2-135M, bfloat16, 2-vCPU Xeon; then +0.2 ms per token up to 32, +2.1 ms at 33). A
+per-row axis with knots at powers of two priced 17-20 tokens on 8 rows by a straight line from
+16 to 32, 2.6-3.3 ms under their cost, exactly where an 8-request batch verifying one or two
+drafts a row lands. The knots on both sides of each 16 measure that staircase where it exists
+and cost a few calibration steps where it does not.
 """
 
 from __future__ import annotations
@@ -35,14 +44,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("specserve.spec")
 
 CALIBRATION_CONTEXT = 256  # context length of the synthetic requests
+# token counts measured on both sides of: where 16-row matrix tiles (AMX) add a tile
+TILE_EDGES = (16, 32, 48, 64)
 
 
 @dataclass
 class StepCostModel:
     rows: list[int]  # ladder of batch rows
-    per_row: list[int]  # ladder of query tokens per row
-    table: list[list[float]]  # seconds; table[i][j]: rows[i] rows of per_row[j] tokens
+    tokens: list[int]  # ladder of query tokens in all (a step's rows together)
+    table: list[list[float]]  # seconds; table[i][j]: rows[i] rows running tokens[j] tokens
+    # (below tokens == rows[i], where a line starts, its plain step's time)
     draft: list[float]  # seconds a draft pass adds for rows[i] rows (0 without a draft model)
+    max_per_row: int  # the largest block a row verifies (larger steps are prefill chunks)
     smoothing: float = 0.1  # online refinement weight of one step
 
     def step_time(self, rows: int, tokens: int) -> float:
@@ -52,9 +65,9 @@ class StepCostModel:
         return float(self.draft_times(np.array([rows]))[0])
 
     # -- vectorised: the controller prices every extra token of a step at once -----------------
-    def _row_curves(self, i: int, q: np.ndarray, ordered: bool = True) -> np.ndarray:
-        # read in order: more tokens a row never cost less than fewer. Plain steps move the
-        # whole line and verifying steps only their columns, so the cells drift apart: on one
+    def _line(self, i: int, t: np.ndarray, ordered: bool = True) -> np.ndarray:
+        # read in order: more tokens never cost less than fewer. Plain steps move the whole
+        # line and verifying steps only their columns, so the cells drift apart: on one
         # stream the plain cell once ended at 20.3 ms above the two-token cell's 18.8, drafts
         # priced cheaper than the step that verifies none. Ordering the cells where they are
         # written instead let every upward blip of one column lift the columns beyond it for
@@ -62,29 +75,23 @@ class StepCostModel:
         # after 1,100 steps; whole steps verifying 32 drafts took 36 ms). Refinement
         # compares a step with the cells as written (``ordered`` false): against the ordered
         # price, a cell below it would sink without end
-        xs, ys = np.asarray(self.per_row, float), np.asarray(self.table[i], float)
+        ys = np.asarray(self.table[i], float)
         if ordered:
             ys = np.maximum.accumulate(ys)
-        out = np.interp(q, xs, ys)
-        if len(xs) > 1:
-            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            past = q > xs[-1]
-            out[past] = ys[-1] + slope * (q[past] - xs[-1])
-        else:
-            out = ys[0] * q / xs[0]
-        return out
+        return read_line(self.tokens, ys, t)
 
     def step_times(self, rows: int, tokens: np.ndarray, ordered: bool = True) -> np.ndarray:
         """``step_time(rows, t)`` for every ``t`` in ``tokens``."""
         rows = max(1, rows)
-        q = np.maximum(1.0, np.asarray(tokens, float) / rows)
+        t = np.maximum(float(rows), np.asarray(tokens, float))
         i = bisect.bisect_left(self.rows, rows)
         if i < len(self.rows) and self.rows[i] == rows or i == 0:
-            return self._row_curves(min(i, len(self.rows) - 1), q, ordered)
-        if i == len(self.rows):
-            return self._row_curves(i - 1, q, ordered) * rows / self.rows[-1]
+            return self._line(min(i, len(self.rows) - 1), t, ordered)
+        if i == len(self.rows):  # past the ladder: the last line's tokens per row, scaled
+            scale = rows / self.rows[-1]
+            return self._line(i - 1, t / scale, ordered) * scale
         r0, r1 = self.rows[i - 1], self.rows[i]
-        t0, t1 = self._row_curves(i - 1, q, ordered), self._row_curves(i, q, ordered)
+        t0, t1 = self._line(i - 1, t, ordered), self._line(i, t, ordered)
         return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
     def draft_times(self, rows: np.ndarray) -> np.ndarray:
@@ -128,8 +135,7 @@ class StepCostModel:
         and the draft pass, 6.6-7.8 ms at startup, priced at nothing.)"""
         if rows <= 0 or seconds <= 0:
             return
-        q = tokens / rows
-        if q > self.per_row[-1] or rows > 2 * self.rows[-1]:
+        if tokens > rows * self.max_per_row or rows > 2 * self.rows[-1]:
             return  # prefill-sized steps are outside the grid the controller decides on
         a = self.smoothing
         base = float(self.step_times(rows, np.array([tokens]), ordered=False)[0])
@@ -145,50 +151,76 @@ class StepCostModel:
             return
         # one step moves a cell by at most 2**a: a stall of the machine is not a trend
         ratio = min(2.0, max(0.5, seconds / base))
-        if tokens == rows:
-            # a plain step: it measures the level of the whole line (the context lengths and
-            # the machine's state of the moment weigh on every block size alike); the
-            # extra cost of verification keeps its measured shape until verifying steps
-            # refine it. Moving the one-token column alone made plain decoding look slower
-            # next to the verification columns (GSM8K, 32 rows: 0.91x no speculation)
-            columns = [(j, 1.0) for j in range(len(self.per_row))]
-        else:
-            # a verifying step (or a prefill chunk) refines the block sizes, never the
-            # plain-decode baseline: its rows cost more than their share of the columns
-            columns = [(j, w) for j, w in self._bracket(self.per_row, q) if j > 0]
-            columns = columns or [(min(1, len(self.per_row) - 1), 1.0)]
         for i, wi in self._bracket(self.rows, rows):
+            start = bisect.bisect_right(self.tokens, self.rows[i])  # the line's first block
+            if tokens <= rows:
+                # a plain step: it measures the level of the whole line (the context lengths
+                # and the machine's state of the moment weigh on every block size alike); the
+                # extra cost of verification keeps its measured shape until verifying steps
+                # refine it. Moving the one-token column alone made plain decoding look slower
+                # next to the verification columns (GSM8K, 32 rows: 0.91x no speculation)
+                columns = [(j, 1.0) for j in range(len(self.tokens))]
+            else:
+                # a verifying step (or a prefill chunk) refines the block sizes, never the
+                # plain-decode baseline: its rows cost more than their share of the columns
+                t = tokens * self.rows[i] / rows if rows > self.rows[-1] else tokens
+                # (none where the line is read below its own plain step: a smaller batch)
+                columns = [(j, w) for j, w in self._bracket(self.tokens, t) if j >= start]
             for j, wj in columns:
                 self.table[i][j] *= ratio ** (a * wi * wj)
 
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"rows": self.rows, "per_row": self.per_row, "table": self.table,
-                "draft": self.draft}
+        return {"rows": self.rows, "tokens": self.tokens, "table": self.table,
+                "draft": self.draft, "max_per_row": self.max_per_row}
 
     @classmethod
     def from_json(cls, data: dict) -> StepCostModel:
         rows = [int(r) for r in data["rows"]]
-        per_row = [int(q) for q in data["per_row"]]
+        tokens = [int(t) for t in data["tokens"]]
         table = [[float(t) for t in line] for line in data["table"]]
         draft = [float(t) for t in data["draft"]]
-        ok = (rows == sorted(set(rows)) and per_row == sorted(set(per_row)) and rows
-              and per_row and len(table) == len(rows) and len(draft) == len(rows)
-              and all(len(line) == len(per_row) for line in table)
+        max_per_row = int(data["max_per_row"])
+        ok = (rows == sorted(set(rows)) and tokens == sorted(set(tokens)) and rows
+              and len(tokens) >= 2 and tokens[0] >= 1 and max_per_row >= 1
+              and len(table) == len(rows) and len(draft) == len(rows)
+              and all(len(line) == len(tokens) for line in table)
               and all(t >= 0 and math.isfinite(t) for line in table for t in line)
               and all(t >= 0 and math.isfinite(t) for t in draft))
         if not ok:
             raise ValueError("inconsistent step cost table")
-        return cls(rows, per_row, table, draft)
+        return cls(rows, tokens, table, draft, max_per_row)
 
     def describe(self) -> str:
-        """One log line: ms per step at 1 token per row and at the largest block, per rows."""
+        """One log line: ms per step plain, at the tile edges measured, at the largest block."""
         parts = []
         for i, r in enumerate(self.rows):
-            parts.append(f"{r}x1 {1e3 * self.table[i][0]:.1f}ms "
-                         f"{r}x{self.per_row[-1]} {1e3 * self.table[i][-1]:.1f}ms "
-                         f"draft +{1e3 * self.draft[i]:.1f}ms")
+            t = np.array([r, *(e for e in (16, 17) if e > r), r * self.max_per_row], float)
+            ms = " ".join(f"{int(n)}:{1e3 * v:.1f}" for n, v in zip(t, self._line(i, t)))
+            parts.append(f"{r} rows {ms}ms draft +{1e3 * self.draft[i]:.1f}ms")
         return "; ".join(parts)
+
+
+def read_line(xs: list[int], ys: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """A line of cells ``ys`` at token counts ``xs`` read at ``t``: linear between cells,
+    with the last two cells' slope (never negative) past the last."""
+    xs_ = np.asarray(xs, float)
+    if len(xs_) == 1:
+        return ys[0] * np.maximum(t, xs_[0]) / xs_[0]
+    out = np.interp(t, xs_, ys)
+    slope = max(0.0, (ys[-1] - ys[-2]) / (xs_[-1] - xs_[-2]))
+    past = t > xs_[-1]
+    out[past] = ys[-1] + slope * (t[past] - xs_[-1])
+    return out
+
+
+def token_ladder(rows: list[int], max_per_row: int, max_tokens: int) -> list[int]:
+    """Token counts a table is measured at: 1, powers of two, each line's plain step and
+    largest block, and both sides of the tile edges, up to the largest step decided on."""
+    top = max(2, min(max_tokens, rows[-1] * max_per_row))
+    points = {1, *(r for r in rows), *(min(top, r * max_per_row) for r in rows)}
+    points |= set(ladder(top)) | {e + d for e in TILE_EDGES for d in (0, 1) if e + d <= top}
+    return sorted(p for p in points if p <= top)
 
 
 def ladder(limit: int, factor: int = 2) -> list[int]:
@@ -212,7 +244,7 @@ def measure_step_costs(
     that are extrapolated in proportion to the rows (online refinement corrects them).
     """
     rows_ladder = [r for r in ladder(max_rows, 4) if r <= max_tokens]
-    per_row = ladder(max_per_row)
+    tokens = token_ladder(rows_ladder, max_per_row, max_tokens)
     room = blocks.num_free_blocks * blocks.block_size - max_per_row - lookahead
     ctx = max(1, min(CALIBRATION_CONTEXT, room, max_model_len - max_per_row))
     table_ids: list[int] = []
@@ -221,9 +253,12 @@ def measure_step_costs(
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     made: list[Request] = []
 
-    def plan_for(rows: int, q: int, draft: bool) -> StepPlan:
+    def plan_for(rows: int, total: int, draft: bool) -> StepPlan:
+        """``rows`` requests running ``total`` query tokens, spread evenly (the first rows
+        take one more where they do not divide)."""
         plan = StepPlan(scheduled=[])
         for n in range(rows):
+            q = total // rows + (n < total % rows)
             prompt = torch.randint(0, vocab_size, (ctx,), generator=gen).tolist()
             req = Request(f"calibrate-{n}", prompt, greedy)
             req.num_computed_tokens = ctx - 1
@@ -262,38 +297,58 @@ def measure_step_costs(
         draft: list[float] = []
         for rows in rows_ladder:
             if table and time.perf_counter() - start > time_budget:
-                # out of time: price the rows in proportion to the largest measured line (an
-                # over-estimate where batching is cheap: speculation then waits for online
-                # refinement, not the other way round)
+                # out of time: price the rows in proportion to the largest measured line at
+                # the same tokens per row (an over-estimate where batching is cheap:
+                # speculation then waits for online refinement, not the other way round)
                 scale = rows / rows_ladder[len(table) - 1]
-                table.append([t * scale for t in table[-1]])
+                t = np.asarray(tokens, float)
+                line = read_line(tokens, np.asarray(table[-1]), np.maximum(t, rows) / scale)
+                table.append((line * scale).tolist())
                 draft.append(draft[-1] * scale)
                 continue
-            shapes = [q for q in per_row if rows * q <= max_tokens] or per_row[:2]
-            plans = [plan_for(rows, q, False) for q in shapes]
+            limit = min(max_tokens, rows * max_per_row)
+            shapes = [t for t in tokens if rows <= t <= limit]
+            shapes += [t for t in tokens if t > limit][: max(0, 2 - len(shapes))]
+            plans = [plan_for(rows, t, False) for t in shapes]
             if with_draft:
-                plans.append(plan_for(rows, 1, True))
+                plans.append(plan_for(rows, rows, True))
             # one row is the cheapest line and the one single streams decide from: twice the
             # rounds (its 8-token price varied by 1.14-1.66x over 3-round calibrations)
             times, proposer = run(*plans, repeats=2 * repeats if rows == 1 else repeats)
-            line = times[: len(shapes)]
-            while len(line) < len(per_row):  # past the token budget, never scheduled
-                j = len(line)
-                slope = (line[-1] - line[-2]) / (per_row[j - 1] - per_row[j - 2])
-                line.append(line[-1] + max(0.0, slope) * (per_row[j] - per_row[j - 1]))
+            measured = times[: len(shapes)]
             # more query tokens never cost less; timing noise only ever adds time, so where a
             # smaller block measured slower than a larger one, the smaller one was the noisy one
-            table.append(np.minimum.accumulate(line[::-1])[::-1].tolist())
+            measured = np.minimum.accumulate(measured[::-1])[::-1]
+            # below the plain step: its time; past the token budget (never scheduled): the
+            # last measured slope
+            t = np.maximum(np.asarray(tokens, float), rows)
+            table.append(read_line(shapes, measured, t).tolist())
             # the draft pass as the proposer times it (Proposer.draft_seconds): the difference
             # of two whole steps, each noisy by milliseconds, once priced a 2.7 ms pass at 4.9
             # and another at 0.0
             draft.append(proposer[-1] if with_draft else 0.0)
-        # nor do more rows: a cell measured slower than the same block with more rows was
-        # noise (AVX2 float32 here once measured 4 rows at 154 ms and 16 rows at 130 ms)
+        # nor do more rows with as many tokens each: a cell measured slower than the same
+        # tokens per row on more rows was noise (AVX2 float32 here once measured 4 rows at
+        # 154 ms and 16 rows at 130 ms, 4 tokens a row). (Not the same tokens in all: one row
+        # of 16 tokens took 23.5 ms where 8 rows of 2 took 23.0.)
+        t = np.asarray(tokens, float)
         for i in range(len(table) - 2, -1, -1):
-            table[i] = np.minimum(table[i], table[i + 1]).tolist()
+            scale = rows_ladder[i + 1] / rows_ladder[i]
+            more = read_line(tokens, np.asarray(table[i + 1]), t * scale)
+            table[i] = np.minimum(table[i], more).tolist()
             draft[i] = min(draft[i], draft[i + 1])
-        return StepCostModel(rows_ladder, per_row, table, draft)
+        # below its plain step a line is its smaller neighbour's shifted to meet it there (a
+        # step costs about a part set by its rows plus a part set by its tokens in all: the
+        # products): a batch between two lines with few tokens is read from both at the
+        # same tokens, and one of 2 rows verifying a draft priced from a flat 4-row cell
+        # would get its extra token for a third of its cost
+        for i in range(1, len(table)):
+            below = np.asarray(tokens) < rows_ladder[i]
+            t = np.array([float(rows_ladder[i])])
+            shift = (read_line(tokens, np.asarray(table[i]), t)
+                     - read_line(tokens, np.asarray(table[i - 1]), t))[0]
+            table[i] = np.where(below, np.asarray(table[i - 1]) + shift, table[i]).tolist()
+        return StepCostModel(rows_ladder, tokens, table, draft, max_per_row)
     finally:
         blocks.free(table_ids)
         for req in made:  # finished: nothing a proposer kept for them is written any more

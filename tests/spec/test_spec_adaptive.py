@@ -250,11 +250,15 @@ def test_cost_measurement_on_a_time_budget(qwen3_target, draft_dir):
                                max_tokens=2048, with_draft=True, vocab_size=256,
                                lookahead=4, max_model_len=192, time_budget=0.0)
     assert eng.blocks.num_free_blocks == free  # the scratch pages went back to the pool
-    assert model.rows == [1, 4, 16, 64] and model.per_row == [1, 2, 4]
-    # only one row was timed; the rows past it are priced in proportion to the rows (never
-    # cheaper per row than the measured line, so speculation waits for real steps)
-    assert model.table[1] == pytest.approx([4 * t for t in model.table[0]])
-    assert model.table[3] == pytest.approx([64 * t for t in model.table[0]])
+    assert model.rows == [1, 4, 16, 64]
+    assert model.tokens == [1, 2, 4, 8, 16, 17, 32, 33, 48, 49, 64, 65, 128, 256]
+    # only one row was timed; the rows past it are priced in proportion to the rows at the
+    # same tokens per row (never cheaper per row than the measured line, so speculation waits
+    # for real steps)
+    for q in (1, 2, 3, 4):
+        one = model.step_time(1, q)
+        assert model.step_time(4, 4 * q) == pytest.approx(4 * one)
+        assert model.step_time(64, 64 * q) == pytest.approx(64 * one)
     assert all(t > 0 for line in model.table for t in line)
     assert model.draft[3] == pytest.approx(64 * model.draft[0])
     # the engine still serves normally afterwards
@@ -308,11 +312,45 @@ def test_cost_table_never_prices_more_rows_cheaper(monkeypatch):
         Runner(), BlockManager(64, 16), max_rows=16, max_per_row=4, max_tokens=2048,
         with_draft=True, vocab_size=100, lookahead=4, max_model_len=512, time_budget=1e9)
     assert model.rows == [1, 4, 16]
-    for j in range(len(model.per_row)):
-        column = [line[j] for line in model.table]
+    for q in (1, 2, 4):  # at as many tokens per row, more rows never cost less
+        column = [model.step_time(r, r * q) for r in model.rows]
         assert column == sorted(column), column
-    assert model.table[1][0] == pytest.approx(model.table[2][0])  # 4 rows priced as 16
+    assert model.step_time(4, 4) == pytest.approx(model.step_time(16, 16))  # priced as 16
     assert model.draft == sorted(model.draft)
     assert model.table[0][0] == pytest.approx(0.013)  # the clean cells are untouched
     # the draft pass is priced from the runner's drafting time alone
     assert model.draft[0] == pytest.approx(0.005) and model.draft[2] == pytest.approx(0.08)
+
+
+def test_cost_table_prices_a_tile_staircase_in_total_tokens(monkeypatch):
+    """Products run in tiles of 16 rows (AMX): a step of 17 query tokens costs a tile more
+    than one of 16, whatever the rows. The table measures both sides of each edge, so a
+    batch of 4 to 8 rows verifying a draft or two each is priced on the right side of it."""
+    import types
+
+    import engine.spec.cost as cost_mod
+    from engine.block_manager import BlockManager
+
+    clock = [0.0]
+
+    def truth(rows: int, tokens: int) -> float:
+        return 0.010 + 0.0002 * tokens + 0.0035 * ((tokens - 1) // 16) + 0.0005 * rows
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def execute(self, plan):
+            drafting = 0.003 if any(s.draft for s in plan.scheduled) else 0.0
+            clock[0] += truth(len(plan.scheduled), plan.num_tokens) + drafting
+            return types.SimpleNamespace(draft_elapsed=drafting)
+
+    monkeypatch.setattr(cost_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = cost_mod.measure_step_costs(
+        Runner(), BlockManager(64, 16), max_rows=8, max_per_row=8, max_tokens=2048,
+        with_draft=True, vocab_size=100, lookahead=8, max_model_len=512, time_budget=1e9)
+    assert model.rows == [1, 4, 8]
+    assert {16, 17, 32, 33, 48, 49, 64} <= set(model.tokens)
+    for rows, tokens in [(1, 8), (4, 16), (4, 17), (4, 20), (6, 16), (6, 17), (8, 8), (8, 16),
+                         (8, 17), (8, 24), (8, 33), (8, 64)]:
+        assert model.step_time(rows, tokens) == pytest.approx(truth(rows, tokens)), (rows, tokens)
+    assert model.draft_time(8) == pytest.approx(0.003)

@@ -18,9 +18,10 @@ K = 7
 
 def cost_model(per_token: float, draft: float, base: float = 0.02) -> StepCostModel:
     """Step time ``base * rows + per_token * extra tokens``, and ``draft`` per drafting row."""
-    rows, per_row = [1, 4, 16, 64], [1, 2, 4, 8]
-    table = [[base * r + per_token * r * (q - 1) for q in per_row] for r in rows]
-    return StepCostModel(rows, per_row, table, [draft * r for r in rows])
+    rows, tokens = [1, 4, 16, 64], [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    # (below a line's plain step, rows x 1 token: the 1-row line shifted to meet it)
+    table = [[base * r + per_token * (t - r) for t in tokens] for r in rows]
+    return StepCostModel(rows, tokens, table, [draft * r for r in rows], max_per_row=8)
 
 
 def controller(acceptance: float, per_token: float, draft: float, **kw) -> SpecController:
@@ -148,6 +149,35 @@ def test_speculation_that_does_not_deliver_stops():
     for _ in range(200):
         ctl.observe_step(1, 5, 0, predicted, verified=4, expected=expected, produced=expected)
     assert ctl.plan(decode(1))[0].k == 4
+
+
+def test_probes_do_not_lift_the_realized_discount():
+    """A probe is chosen by turn, not by the models: its steps, priced right, must not wash
+    out the evidence that the drafting the models chose delivered less than promised."""
+    ctl = controller(acceptance=0.3, per_token=0.002, draft=0.0, probe_interval=3,
+                     max_probe_interval=3)
+    (d,) = ctl.plan(decode(1))
+    assert d.k > 0  # the models promise a gain
+    predicted, expected = ctl.cost.step_time(1, 1 + d.k), ctl.expected_tokens(None, d.k)
+    for _ in range(20):  # chosen speculation delivers a quarter less than promised
+        ctl.plan(decode(1))
+        ctl.observe_step(1, 1 + d.k, 1, predicted, verified=d.k, expected=expected,
+                         produced=expected * 0.75)
+    discount = ctl.realized.correction(0)
+    assert discount == pytest.approx(0.75)
+    chosen = 0
+    for _ in range(60):
+        probe_verify = ctl._verify_probe
+        (d,) = ctl.plan(decode(1))
+        chosen += d.k > 0 and not probe_verify
+        # every step as its models promised, plain and probe alike
+        tokens = 1 + d.k
+        ctl.observe_step(1, tokens, int(d.draft), ctl.cost.step_time(1, tokens)
+                         + ctl.cost.draft_time(int(d.draft)), verified=d.k,
+                         expected=ctl.expected_tokens(None, d.k),
+                         produced=ctl.expected_tokens(None, d.k))
+    assert ctl.realized.correction(0) == pytest.approx(discount)
+    assert chosen == 0
 
 
 def test_fixed_k_mode_and_batch_limit():
@@ -327,13 +357,19 @@ def test_cost_json_round_trip_and_validation():
 def test_cost_interpolation_on_an_uneven_table():
     import numpy as np
 
-    m = StepCostModel([1, 4, 16], [1, 2, 4, 8],
-                      [[0.02, 0.021, 0.025, 0.04], [0.03, 0.035, 0.05, 0.08],
-                       [0.06, 0.08, 0.12, 0.2]], [0.004, 0.006, 0.01])
-    assert m.step_times(1, np.array([1, 3, 8, 10])) == pytest.approx(
-        [0.02, 0.023, 0.04, 0.04 + 2 * 0.015 / 4])  # past 8 per row: the last slope
-    assert m.step_times(2, np.array([2, 4])) == pytest.approx([0.02 + 0.01 / 3, 0.021 + 0.014 / 3])
-    assert m.step_times(32, np.array([32])) == pytest.approx([0.12])  # 2x the 16-row time
+    # lines start at their plain step (below it: that step's time)
+    m = StepCostModel([1, 4, 16], [1, 2, 4, 8, 16, 32],
+                      [[0.02, 0.021, 0.025, 0.04, 0.05, 0.07],
+                       [0.03, 0.03, 0.03, 0.035, 0.05, 0.08],
+                       [0.06, 0.06, 0.06, 0.06, 0.06, 0.08]], [0.004, 0.006, 0.01], 8)
+    assert m.step_times(1, np.array([1, 3, 8, 40])) == pytest.approx(
+        [0.02, 0.023, 0.04, 0.07 + 8 * 0.02 / 16])  # past 32 tokens: the last slope
+    # 2 rows: a third of the way from the 1-row line to the 4-row line, at the same tokens;
+    # never below 2 tokens (each row runs one)
+    assert m.step_times(2, np.array([1, 2, 8])) == pytest.approx(
+        [0.021 + 0.009 / 3, 0.021 + 0.009 / 3, 0.04 - 0.005 / 3])
+    # past the last line: its time at the same tokens per row, scaled by the rows
+    assert m.step_times(32, np.array([32, 64])) == pytest.approx([0.12, 0.16])
     assert m.draft_times(np.array([0, 1, 2, 16, 32])) == pytest.approx(
         [0.0, 0.004, 0.004 + 0.002 / 3, 0.01, 0.02])
 
