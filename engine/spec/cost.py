@@ -203,12 +203,15 @@ class StepCostModel:
 
 def read_line(xs: list[int], ys: np.ndarray, t: np.ndarray) -> np.ndarray:
     """A line of cells ``ys`` at token counts ``xs`` read at ``t``: linear between cells,
-    with the last two cells' slope (never negative) past the last."""
+    past the last with the slope (never negative) from the cell at half its tokens or below:
+    across whole tiles, not the last edge (the slope of 64 to 65 tokens, one tile's step,
+    once priced 4 rows of 33 tokens at 612 ms)."""
     xs_ = np.asarray(xs, float)
     if len(xs_) == 1:
         return ys[0] * np.maximum(t, xs_[0]) / xs_[0]
     out = np.interp(t, xs_, ys)
-    slope = max(0.0, (ys[-1] - ys[-2]) / (xs_[-1] - xs_[-2]))
+    k = max(0, min(len(xs_) - 2, int(np.searchsorted(xs_, xs_[-1] / 2, side="right")) - 1))
+    slope = max(0.0, (ys[-1] - ys[k]) / (xs_[-1] - xs_[k]))
     past = t > xs_[-1]
     out[past] = ys[-1] + slope * (t[past] - xs_[-1])
     return out
@@ -293,40 +296,63 @@ def measure_step_costs(
     try:
         start = time.perf_counter()
         run(plan_for(1, 1, with_draft))  # first-call costs (allocations, threads) go here
-        table: list[list[float]] = []
-        draft: list[float] = []
+        # Two passes: every line's decode-sized steps first (up to 65 tokens or 4 a row), then
+        # the larger blocks while time remains. In one pass, the 16-row line's blocks of 128 to
+        # 528 tokens used up the budget and the 64-row line was extrapolated at 97 ms for its
+        # plain step (the one-pass per-row ladder had measured 43): read with it, 32-request
+        # batches priced a plain step at 49 ms, drafted every step and served 0.86x no
+        # speculation
+        spans = []
         for rows in rows_ladder:
-            if table and time.perf_counter() - start > time_budget:
-                # out of time: price the rows in proportion to the largest measured line at
-                # the same tokens per row (an over-estimate where batching is cheap:
-                # speculation then waits for online refinement, not the other way round)
-                scale = rows / rows_ladder[len(table) - 1]
-                t = np.asarray(tokens, float)
-                line = read_line(tokens, np.asarray(table[-1]), np.maximum(t, rows) / scale)
-                table.append((line * scale).tolist())
-                draft.append(draft[-1] * scale)
-                continue
             limit = min(max_tokens, rows * max_per_row)
             shapes = [t for t in tokens if rows <= t <= limit]
             shapes += [t for t in tokens if t > limit][: max(0, 2 - len(shapes))]
-            plans = [plan_for(rows, t, False) for t in shapes]
+            small = max(4 * rows, TILE_EDGES[-1] + 1)
+            spans.append(([t for t in shapes if t <= small], [t for t in shapes if t > small]))
+        measured: list[tuple[list[int], list[float]]] = []
+        draft: list[float] = []
+        for rows, (first, _) in zip(rows_ladder, spans):
+            if measured and time.perf_counter() - start > time_budget:
+                break
+            plans = [plan_for(rows, t, False) for t in first]
             if with_draft:
                 plans.append(plan_for(rows, rows, True))
             # one row is the cheapest line and the one single streams decide from: twice the
             # rounds (its 8-token price varied by 1.14-1.66x over 3-round calibrations)
             times, proposer = run(*plans, repeats=2 * repeats if rows == 1 else repeats)
-            measured = times[: len(shapes)]
-            # more query tokens never cost less; timing noise only ever adds time, so where a
-            # smaller block measured slower than a larger one, the smaller one was the noisy one
-            measured = np.minimum.accumulate(measured[::-1])[::-1]
-            # below the plain step: its time; past the token budget (never scheduled): the
-            # last measured slope
-            t = np.maximum(np.asarray(tokens, float), rows)
-            table.append(read_line(shapes, measured, t).tolist())
+            measured.append((list(first), times[: len(first)]))
             # the draft pass as the proposer times it (Proposer.draft_seconds): the difference
             # of two whole steps, each noisy by milliseconds, once priced a 2.7 ms pass at 4.9
             # and another at 0.0
             draft.append(proposer[-1] if with_draft else 0.0)
+        for i, (rows, (_, rest)) in enumerate(zip(rows_ladder, spans)):
+            if i >= len(measured) or time.perf_counter() - start > time_budget:
+                break
+            if rest:
+                # with the line's plain step between repeats (its time unused): a plan run
+                # twice in a row would give the proposer one request's context twice
+                times, _ = run(*[plan_for(rows, t, False) for t in rest],
+                               plan_for(rows, rows, False))
+                times = times[: len(rest)]
+                measured[i][0].extend(rest)
+                measured[i][1].extend(times)
+        table: list[list[float]] = []
+        for rows, (shapes, times) in zip(rows_ladder, measured):
+            # more query tokens never cost less; timing noise only ever adds time, so where a
+            # smaller block measured slower than a larger one, the smaller one was the noisy one
+            ys = np.minimum.accumulate(np.asarray(times)[::-1])[::-1]
+            # below the plain step: its time; past what was measured: the last measured slope
+            t = np.maximum(np.asarray(tokens, float), rows)
+            table.append(read_line(shapes, ys, t).tolist())
+        for rows in rows_ladder[len(table):]:
+            # out of time: price the rows in proportion to the largest measured line at the
+            # same tokens per row (an over-estimate where batching is cheap: speculation then
+            # waits for online refinement, not the other way round)
+            scale = rows / rows_ladder[len(table) - 1]
+            t = np.asarray(tokens, float)
+            line = read_line(tokens, np.asarray(table[-1]), np.maximum(t, rows) / scale)
+            table.append((line * scale).tolist())
+            draft.append(draft[-1] * scale)
         # nor do more rows with as many tokens each: a cell measured slower than the same
         # tokens per row on more rows was noise (AVX2 float32 here once measured 4 rows at
         # 154 ms and 16 rows at 130 ms, 4 tokens a row). (Not the same tokens in all: one row

@@ -354,3 +354,37 @@ def test_cost_table_prices_a_tile_staircase_in_total_tokens(monkeypatch):
                          (8, 17), (8, 24), (8, 33), (8, 64)]:
         assert model.step_time(rows, tokens) == pytest.approx(truth(rows, tokens)), (rows, tokens)
     assert model.draft_time(8) == pytest.approx(0.003)
+
+
+def test_cost_calibration_measures_every_line_before_the_large_blocks(monkeypatch):
+    """Decode-sized steps of every line come first: large blocks that use up the time budget
+    must not leave the 64-row line's plain step to an extrapolation."""
+    import types
+
+    import engine.spec.cost as cost_mod
+    from engine.block_manager import BlockManager
+
+    clock = [0.0]
+
+    def truth(rows: int, tokens: int) -> float:
+        return 0.010 + 0.0002 * tokens + 0.0001 * rows
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def execute(self, plan):
+            tokens = plan.num_tokens
+            clock[0] += 10.0 if tokens > 65 else truth(len(plan.scheduled), tokens)
+            return types.SimpleNamespace(draft_elapsed=0.0)
+
+    monkeypatch.setattr(cost_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = cost_mod.measure_step_costs(
+        Runner(), BlockManager(512, 16), max_rows=64, max_per_row=33, max_tokens=2048,
+        with_draft=False, vocab_size=100, lookahead=33, max_model_len=512, time_budget=5.0)
+    assert model.rows == [1, 4, 16, 64]
+    for rows, tokens in [(1, 17), (4, 33), (16, 17), (16, 64), (64, 64), (64, 65)]:
+        assert model.step_time(rows, tokens) == pytest.approx(truth(rows, tokens)), (rows, tokens)
+    # the 4-row line's large blocks were measured and took the budget; the 16-row line's were
+    # not: they follow its measured slope
+    assert clock[0] > 80
+    assert model.step_time(16, 512) == pytest.approx(truth(16, 512))
