@@ -65,17 +65,19 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(scheduled=[])
-        decisions, fresh = self._speculation_decisions()
+        decisions = self._speculation_decisions()
+        fresh = _FreshDrafts(self)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            decision = decisions.get(req.request_id, Decision(0, fresh))
-            spec = self._trim_spec(req, budget)[: decision.k]
+            decision = decisions.get(req.request_id)
+            spec = self._trim_spec(req, budget)[: decision.k] if decision is not None else []
             num_new = min(req.num_tokens - req.num_computed_tokens + len(spec), budget)
             if not self._reserve(req, num_new, plan):
                 break  # req itself was preempted; everything after it already was
             parents = self.tree.window_parents(len(spec)) if self.tree and spec else None
-            plan.scheduled.append(ScheduledRequest(req, num_new, spec, decision.draft, parents))
+            draft = decision.draft if decision is not None else fresh(req, num_new)
+            plan.scheduled.append(ScheduledRequest(req, num_new, spec, draft, parents))
             budget -= num_new
             i += 1
         while (
@@ -92,16 +94,15 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            plan.scheduled.append(ScheduledRequest(req, num_new, [], fresh))
+            plan.scheduled.append(ScheduledRequest(req, num_new, [], fresh(req, num_new)))
             budget -= num_new
         return plan
 
-    def _speculation_decisions(self) -> tuple[dict[str, Decision], bool]:
-        """The controller's choice for every running request that will sample this step, and
-        whether a request sampling for the first time (end of its prefill) drafts."""
+    def _speculation_decisions(self) -> dict[str, Decision]:
+        """The controller's choice for every running request that will sample this step."""
         ctl = self.controller
         if ctl is None:
-            return {}, False
+            return {}
         cands: list[Candidate] = []
         sampling: list[str] = []
         other = 0
@@ -114,15 +115,7 @@ class Scheduler:
             cands.append(Candidate(req.spec_rates, len(req.spec_token_ids),
                                    self._spec_room(req, self.config.max_num_batched_tokens),
                                    remaining))
-        decisions = dict(zip(sampling, ctl.plan(cands, other)))
-        fresh = False
-        if self.waiting or len(sampling) < len(self.running):
-            # judged at the batch the request joins: when a wave arrives at once, the first
-            # admitted must not draft as if alone (a draft pass and context writes for the
-            # whole wave at its first token, which a full batch does not repay)
-            joined = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
-            fresh = ctl.fresh_request_drafts(joined)
-        return decisions, fresh
+        return dict(zip(sampling, ctl.plan(cands, other)))
 
     def _trim_spec(self, req: Request, budget: int) -> list[int]:
         """Drafts to verify this step, never past the budget, context or ``max_tokens``."""
@@ -229,3 +222,26 @@ class Scheduler:
             if req.is_finished:
                 break
         return kept
+
+
+class _FreshDrafts:
+    """Whether a request sampling for the first time this step (the end of its prefill)
+    drafts: asked of the controller at most once per step, and only when such a request is
+    scheduled (most steps under load have none; the question prices a whole batch)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.answer: bool | None = None
+
+    def __call__(self, req: Request, num_new: int) -> bool:
+        ctl = self.sched.controller
+        if ctl is None or req.num_computed_tokens + num_new < req.num_tokens:
+            return False  # no controller, or a prefill chunk that samples nothing
+        if self.answer is None:
+            # judged at the batch the request joins: when a wave arrives at once, the first
+            # admitted must not draft as if alone (a draft pass and context writes for the
+            # whole wave at its first token, which a full batch does not repay)
+            s = self.sched
+            joined = min(s.config.max_num_seqs, len(s.running) + len(s.waiting))
+            self.answer = ctl.fresh_request_drafts(joined)
+        return self.answer

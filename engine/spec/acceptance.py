@@ -34,11 +34,16 @@ DEFAULT_PRIOR = 0.5  # per position, when the draft ships no measured curve
 
 @dataclass
 class DecayedRates:
-    """Per-position conditional acceptance from decayed (hits, trials) counts plus a prior."""
+    """Per-position conditional acceptance from decayed (hits, trials) counts plus a prior.
 
-    hits: list[float]
-    trials: list[float]
+    Ageing is one multiplication: the counts are kept unscaled beside a common ``scale``
+    (folded in when a verification is observed), since most requests of a loaded batch age
+    every step and verify rarely."""
+
+    raw_hits: list[float]
+    raw_trials: list[float]
     decay: float
+    scale: float = 1.0
     # (model version, expected gains) from AcceptanceModel.gains
     cached: tuple[int, list[float]] | None = field(default=None, repr=False, compare=False)
 
@@ -46,12 +51,19 @@ class DecayedRates:
     def empty(cls, k: int, decay: float) -> DecayedRates:
         return cls([0.0] * k, [0.0] * k, decay)
 
+    @property
+    def hits(self) -> list[float]:
+        return [self.scale * h for h in self.raw_hits]
+
+    @property
+    def trials(self) -> list[float]:
+        return [self.scale * t for t in self.raw_trials]
+
     def age(self) -> None:
         """A step without verification: the evidence decays as if one had been observed."""
-        if self.trials[0] < 1e-3:  # the most observed position: nothing left to age
+        if self.scale * self.raw_trials[0] < 1e-3:  # the most observed position: nothing to age
             return
-        self.hits = [self.decay * h for h in self.hits]
-        self.trials = [self.decay * t for t in self.trials]
+        self.scale *= self.decay
         self.cached = None
 
     def observe(self, parents: tuple[int, ...], num_verified: int, path: list[int]) -> None:
@@ -59,15 +71,19 @@ class DecayedRates:
         parent was accepted (the root always is) and hit when it is on the accepted ``path``
         (1-based). For a chain (``parents[j - 1] == j - 1``) with ``n`` accepted: positions
         ``1..n`` hit, ``n + 1`` missed, later ones not observed."""
+        if self.scale != 1.0:
+            self.raw_hits, self.raw_trials, self.scale = self.hits, self.trials, 1.0
+        hits, trials, d = self.raw_hits, self.raw_trials, self.decay
         on_path = {0, *path}
         for j in range(num_verified):
             if parents[j] in on_path:
-                self.hits[j] = self.decay * self.hits[j] + (1.0 if j + 1 in on_path else 0.0)
-                self.trials[j] = self.decay * self.trials[j] + 1.0
+                hits[j] = d * hits[j] + (1.0 if j + 1 in on_path else 0.0)
+                trials[j] = d * trials[j] + 1.0
 
     def rates(self, prior: list[float], prior_weight: float) -> list[float]:
-        return [(h + prior_weight * p) / (t + prior_weight)
-                for h, t, p in zip(self.hits, self.trials, prior)]
+        s = self.scale
+        return [(s * h + prior_weight * p) / (s * t + prior_weight)
+                for h, t, p in zip(self.raw_hits, self.raw_trials, prior)]
 
 
 class AcceptanceModel:

@@ -18,6 +18,8 @@ its drafts, which refreshes both the acceptance (every position) and the verific
 estimates (up to the largest block).
 (Probing every request at once cost a draft pass and a verification for the whole batch,
 about 3% of the throughput at 32 requests where speculation never paid.)
+The converse: where every step verifies, no plain step measures what a step without drafts
+costs, so now and then one step verifies nothing (a plain probe, see ``plain_probe_interval``).
 The models' errors lean towards speculating (it is chosen exactly where they promise most),
 so every step's realized tokens per second are compared with the prediction
 (``engine.spec.realized``): where speculative steps deliver less than promised relative to
@@ -59,7 +61,9 @@ class SpecController:
     def __init__(self, k_max: int, acceptance: AcceptanceModel, cost: StepCostModel | None,
                  stats: SpecDecodingStats, *, adaptive: bool = True,
                  max_batch: int | None = None, min_gain: float = 1.03, probe_interval: int = 8,
-                 max_probe_interval: int = 256, tree: DraftTree | None = None) -> None:
+                 max_probe_interval: int = 256, replan_interval: int = 4,
+                 plain_probe_interval: int = 32, max_plain_probe_interval: int = 512,
+                 tree: DraftTree | None = None) -> None:
         if adaptive and cost is None:
             raise ValueError("the adaptive controller needs a step cost model")
         self.k_max = k_max
@@ -91,6 +95,33 @@ class SpecController:
         # the step last planned makes or verifies a probe's drafts: exploration, which the
         # realized-gain check leaves out (see observe_step)
         self._exploring = False
+        # A plan that drafts nobody, with no drafts held, stands for up to this many steps
+        # while the batch (rows, query tokens) and the acceptance evidence (no verification
+        # since) are unchanged: what still moves then (requests' own evidence ageing towards
+        # the engine-wide curve, the step costs refined by a step) moves slowly, and pricing
+        # every extra token of a 16-request batch cost 0.2-0.3 ms a step (cold caches after
+        # the forward pass), about 1% of a step where speculation does not pay
+        self.replan_interval = replan_interval
+        self._standing: tuple[int, int, int] | None = None
+        self._standing_steps = 0
+        # Plain probes. A plain step measures the level of its batch size's cost line (see
+        # StepCostModel.observe); where every step verifies, nothing does, and a level raised
+        # by a slow spell of the machine stays raised: at 16 requests a line read 38.9 ms for
+        # a plain step that took 24.8 while verifying steps drifted to their own cells, so
+        # every request drafted and verified at every step for 200 steps, 0.628 tokens/ms
+        # against 0.660 without drafts (12% below no speculation over the round). So when a
+        # batch size has verified at every step for ``plain_probe_interval`` steps, one step
+        # verifies nothing (the drafts held are dropped; drafting goes on as planned) and
+        # its time refines the line with ``plain_probe_weight`` times the usual weight; the
+        # interval doubles (to ``max_plain_probe_interval``) while probes find the level
+        # within 10% of its price, and starts over when one does not
+        buckets = len(cost.rows) if cost is not None else 1
+        self.plain_probe_interval = plain_probe_interval
+        self.max_plain_probe_interval = max_plain_probe_interval
+        self.plain_probe_weight = 5.0
+        self._plain_every = [plain_probe_interval] * buckets
+        self._verifying_run = [0] * buckets  # whole-decode steps since one verified nothing
+        self._plain_probe = False  # the step last planned is a plain probe
         self.on_refined: Callable[[StepCostModel], None] | None = None  # persist the costs
         self.refine_save_every = 1000  # steps
         self._steps_since_save = 0
@@ -107,8 +138,18 @@ class SpecController:
             return [Decision(min(self.k_max, c.available, c.cap), True) for c in cands]
         # Drafts for the next step are made where they pay with the draft pass counted; the
         # drafts held now were paid for last step, so verification leaves that cost out.
-        draft_ks, verify_ks = self._optimal_ks(cands, other_tokens,
-                                               verify=any(c.available for c in cands))
+        verify = any(c.available for c in cands)
+        shape = (len(cands), other_tokens + sum(c.tokens for c in cands),
+                 self.acceptance.version)
+        if not verify and shape == self._standing and self._standing_steps > 0:
+            # a plan that drafts nobody stands while its inputs do (see replan_interval)
+            self._standing_steps -= 1
+            draft_ks = verify_ks = [0] * len(cands)
+        else:
+            draft_ks, verify_ks = self._optimal_ks(cands, other_tokens, verify=verify)
+            quiet = not verify and not any(draft_ks)
+            self._standing = shape if quiet else None
+            self._standing_steps = self.replan_interval - 1
         self._exploring = self._verify_probe
         if self._verify_probe:
             # a probe's drafts are verified whole: the deep positions' acceptance and the
@@ -116,6 +157,11 @@ class SpecController:
             # are the only evidence, and a startup calibration that over-priced the block
             # was never corrected while probes verified one draft)
             verify_ks = [v or c.available for v, c in zip(verify_ks, cands)]
+        elif any(verify_ks):
+            b = self.cost.row_bucket(len(cands))
+            if self._verifying_run[b] >= self._plain_every[b]:
+                verify_ks = [0] * len(cands)  # a plain probe (see plain_probe_interval)
+                self._plain_probe = True
         probe = self._probe_due(any(k > 0 for k in draft_ks))
         self._verify_probe = probe
         self._exploring |= probe
@@ -219,6 +265,20 @@ class SpecController:
         if self.cost is None:
             return
         exploring, self._exploring = self._exploring, False
+        plain_probe, self._plain_probe = self._plain_probe, False
+        predicted = self.cost.step_time(rows, tokens) + self.cost.draft_time(drafted_rows)
+        weight = 1.0
+        if expected is not None:  # every row decodes: a step the controller chose
+            b = self.cost.row_bucket(rows)
+            if verified:
+                self._verifying_run[b] += 1
+            else:
+                self._verifying_run[b] = 0
+            if plain_probe and not verified:
+                weight = self.plain_probe_weight
+                off = abs(seconds / predicted - 1.0) > 0.1
+                self._plain_every[b] = (self.plain_probe_interval if off else min(
+                    self.max_plain_probe_interval, 2 * self._plain_every[b]))
         # Probes are left out of the realized-gain check: they are chosen by turn, not by the
         # models, and a batch verifying one request's drafts is priced right, so where
         # drafting had been found to deliver less than promised their steps (at 16 requests
@@ -226,10 +286,9 @@ class SpecController:
         # dozens of steps, each 4% below a plain step, until it was found again
         if expected is not None and produced is not None and not exploring:
             assert self.realized is not None
-            predicted = self.cost.step_time(rows, tokens) + self.cost.draft_time(drafted_rows)
             self.realized.observe(self.cost.row_bucket(rows), verified > 0 or drafted_rows > 0,
                                   expected, produced, predicted, seconds)
-        self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds)
+        self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds, weight)
         self._steps_since_save += 1
         if self.on_refined is not None and self._steps_since_save >= self.refine_save_every:
             self._steps_since_save = 0

@@ -24,6 +24,7 @@ and cost a few calibration steps where it does not.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import math
 import time
@@ -58,11 +59,26 @@ class StepCostModel:
     max_per_row: int  # the largest block a row verifies (larger steps are prefill chunks)
     smoothing: float = 0.1  # online refinement weight of one step
 
-    def step_time(self, rows: int, tokens: int) -> float:
-        return float(self.step_times(rows, np.array([tokens]))[0])
+    # -- one step: pure Python, since it runs every step right after the forward pass has
+    # evicted the caches, where the dozen small numpy calls of the vectorised reading took
+    # 0.15 ms (2-vCPU Xeon, 16 requests: against 0.01 ms warm) --------------------------------
+    def step_time(self, rows: int, tokens: int, ordered: bool = True) -> float:
+        rows = max(1, rows)
+        return self._across_rows(rows, max(float(rows), float(tokens)),
+                                 lambda i, t: self._cell(i, t, ordered))
 
     def draft_time(self, rows: int) -> float:
-        return float(self.draft_times(np.array([rows]))[0])
+        xs, ys = self.rows, self.draft
+        if rows <= 0:
+            return 0.0
+        if rows > xs[-1]:
+            return ys[-1] * rows / xs[-1]
+        return read_point(xs, ys, float(rows), slope=False)
+
+    def _cell(self, i: int, t: float, ordered: bool) -> float:
+        line = self.table[i]
+        return read_point(self.tokens, list(itertools.accumulate(line, max)) if ordered
+                          else line, t)
 
     # -- vectorised: the controller prices every extra token of a step at once -----------------
     def _line(self, i: int, t: np.ndarray, ordered: bool = True) -> np.ndarray:
@@ -83,15 +99,20 @@ class StepCostModel:
     def step_times(self, rows: int, tokens: np.ndarray, ordered: bool = True) -> np.ndarray:
         """``step_time(rows, t)`` for every ``t`` in ``tokens``."""
         rows = max(1, rows)
-        t = np.maximum(float(rows), np.asarray(tokens, float))
+        return self._across_rows(rows, np.maximum(float(rows), np.asarray(tokens, float)),
+                                 lambda i, t: self._line(i, t, ordered))
+
+    def _across_rows(self, rows: int, t, line):
+        """``line(i, t)`` (line ``i`` read at ``t``, scalar or array) for ``rows`` rows:
+        between two lines linearly; past the ladder, the last line's tokens per row, scaled."""
         i = bisect.bisect_left(self.rows, rows)
         if i < len(self.rows) and self.rows[i] == rows or i == 0:
-            return self._line(min(i, len(self.rows) - 1), t, ordered)
-        if i == len(self.rows):  # past the ladder: the last line's tokens per row, scaled
+            return line(min(i, len(self.rows) - 1), t)
+        if i == len(self.rows):
             scale = rows / self.rows[-1]
-            return self._line(i - 1, t / scale, ordered) * scale
+            return line(i - 1, t / scale) * scale
         r0, r1 = self.rows[i - 1], self.rows[i]
-        t0, t1 = self._line(i - 1, t, ordered), self._line(i, t, ordered)
+        t0, t1 = line(i - 1, t), line(i, t)
         return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
     def draft_times(self, rows: np.ndarray) -> np.ndarray:
@@ -123,10 +144,11 @@ class StepCostModel:
         return [(i - 1, 1.0 - w), (i, w)]
 
     def observe(self, rows: int, tokens: int, drafted_rows: int, seconds: float,
-                draft_seconds: float = 0.0) -> None:
+                draft_seconds: float = 0.0, weight: float = 1.0) -> None:
         """Fold one real step's wall time into the cells it was interpolated from, each in
         proportion to its interpolation weight.
 
+        ``weight`` multiplies the smoothing of this one step (the controller's plain probes).
         ``draft_seconds``: the drafting part of ``seconds`` (``Proposer.draft_seconds``). It
         refines the draft curve, and the rest refines the table like any step. (Refining
         the draft curve from the step's time beyond the table's prediction instead made it
@@ -137,8 +159,8 @@ class StepCostModel:
             return
         if tokens > rows * self.max_per_row or rows > 2 * self.rows[-1]:
             return  # prefill-sized steps are outside the grid the controller decides on
-        a = self.smoothing
-        base = float(self.step_times(rows, np.array([tokens]), ordered=False)[0])
+        a = min(1.0, self.smoothing * weight)  # weight: a deliberate measurement counts more
+        base = self.step_time(rows, tokens, ordered=False)
         if drafted_rows > 0:
             d = self.row_bucket(drafted_rows)
             # a stall of the machine is not a trend: one step moves the curve boundedly
@@ -152,22 +174,23 @@ class StepCostModel:
         # one step moves a cell by at most 2**a: a stall of the machine is not a trend
         ratio = min(2.0, max(0.5, seconds / base))
         for i, wi in self._bracket(self.rows, rows):
-            start = bisect.bisect_right(self.tokens, self.rows[i])  # the line's first block
             if tokens <= rows:
                 # a plain step: it measures the level of the whole line (the context lengths
                 # and the machine's state of the moment weigh on every block size alike); the
                 # extra cost of verification keeps its measured shape until verifying steps
                 # refine it. Moving the one-token column alone made plain decoding look slower
                 # next to the verification columns (GSM8K, 32 rows: 0.91x no speculation)
-                columns = [(j, 1.0) for j in range(len(self.tokens))]
-            else:
-                # a verifying step (or a prefill chunk) refines the block sizes, never the
-                # plain-decode baseline: its rows cost more than their share of the columns
-                t = tokens * self.rows[i] / rows if rows > self.rows[-1] else tokens
-                # (none where the line is read below its own plain step: a smaller batch)
-                columns = [(j, w) for j, w in self._bracket(self.tokens, t) if j >= start]
-            for j, wj in columns:
-                self.table[i][j] *= ratio ** (a * wi * wj)
+                f = ratio ** (a * wi)
+                self.table[i] = [f * v for v in self.table[i]]
+                continue
+            # a verifying step (or a prefill chunk) refines the block sizes, never the
+            # plain-decode baseline: its rows cost more than their share of the columns
+            t = tokens * self.rows[i] / rows if rows > self.rows[-1] else tokens
+            # (none where the line is read below its own plain step: a smaller batch)
+            start = bisect.bisect_right(self.tokens, self.rows[i])  # the line's first block
+            for j, wj in self._bracket(self.tokens, t):
+                if j >= start:
+                    self.table[i][j] *= ratio ** (a * wi * wj)
 
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -210,11 +233,34 @@ def read_line(xs: list[int], ys: np.ndarray, t: np.ndarray) -> np.ndarray:
     if len(xs_) == 1:
         return ys[0] * np.maximum(t, xs_[0]) / xs_[0]
     out = np.interp(t, xs_, ys)
-    k = max(0, min(len(xs_) - 2, int(np.searchsorted(xs_, xs_[-1] / 2, side="right")) - 1))
+    k = _slope_from(xs)
     slope = max(0.0, (ys[-1] - ys[k]) / (xs_[-1] - xs_[k]))
     past = t > xs_[-1]
     out[past] = ys[-1] + slope * (t[past] - xs_[-1])
     return out
+
+
+def read_point(xs: list[int], ys: list[float], t: float, slope: bool = True) -> float:
+    """:func:`read_line` at one ``t`` (pure Python); ``slope`` false: flat past the last
+    cell, as ``np.interp``."""
+    if len(xs) == 1:
+        return ys[0] * max(t, xs[0]) / xs[0]
+    if t <= xs[0]:
+        return ys[0]
+    if t >= xs[-1]:
+        if not slope or t == xs[-1]:
+            return ys[-1]
+        k = _slope_from(xs)
+        return ys[-1] + max(0.0, (ys[-1] - ys[k]) / (xs[-1] - xs[k])) * (t - xs[-1])
+    j = bisect.bisect_right(xs, t)
+    x0, x1 = xs[j - 1], xs[j]
+    return ys[j - 1] + (ys[j] - ys[j - 1]) * (t - x0) / (x1 - x0)
+
+
+def _slope_from(xs: list[int]) -> int:
+    """The cell a line's extrapolation slope starts from: the last at half its tokens or
+    below (and not the last cell)."""
+    return max(0, min(len(xs) - 2, bisect.bisect_right(xs, xs[-1] / 2) - 1))
 
 
 def token_ladder(rows: list[int], max_per_row: int, max_tokens: int) -> list[int]:

@@ -52,7 +52,11 @@ class PendingContext:
     """Draft context K/V not yet written, per request: tapped target states of consecutive
     positions, in the order the steps produced them. Slots are looked up in the request's
     block table when the states are taken, so a finished or preempted request's states (its
-    pages no longer its own) are dropped unwritten by :meth:`prune`."""
+    pages no longer its own) are dropped unwritten by :meth:`prune`.
+
+    A step's states are kept whole and each request holds views of its rows (one copy per
+    step instead of one per request); ``num_bytes`` counts every step some request still
+    holds rows of, whole, since that is the memory held."""
 
     def __init__(self) -> None:
         self._waiting: dict[str, _Waiting] = {}
@@ -64,18 +68,27 @@ class PendingContext:
 
     def add(self, req: Request, hidden: torch.Tensor, start: int) -> None:
         """The states ``hidden [n, taps*H]`` of positions ``start .. start+n-1`` of ``req``."""
-        w = self._waiting.get(req.request_id)
-        if w is not None and (w.request is not req or req.num_preemptions != w.preemptions):
-            self._drop(req.request_id)  # computed before a preemption (or for a namesake): stale
-            w = None
-        if w is None:
-            w = self._waiting[req.request_id] = _Waiting(req, req.num_preemptions, start)
-        elif start != w.start + w.count:
-            raise ValueError(f"context of {req.request_id!r} at {start}, expected "
-                             f"{w.start + w.count}")
-        w.hidden.append(hidden)
-        w.count += hidden.shape[0]
-        self.num_bytes += hidden.numel() * hidden.element_size()
+        self.add_step(hidden, [(req, 0, start, hidden.shape[0])])
+
+    def add_step(self, states: torch.Tensor, parts: list[tuple[Request, int, int, int]]) -> None:
+        """One step's states ``[rows, taps*H]``, kept as given (not a buffer the caller
+        reuses), and per request ``(request, first row, first position, count)``."""
+        step = _Step(states)
+        for req, row, start, count in parts:
+            w = self._waiting.get(req.request_id)
+            if w is not None and (w.request is not req or req.num_preemptions != w.preemptions):
+                self._drop(req.request_id)  # computed before a preemption (or for a namesake)
+                w = None
+            if w is None:
+                w = self._waiting[req.request_id] = _Waiting(req, req.num_preemptions, start)
+            elif start != w.start + w.count:
+                raise ValueError(f"context of {req.request_id!r} at {start}, expected "
+                                 f"{w.start + w.count}")
+            w.parts.append((step, row, count))
+            w.count += count
+            step.holders += 1
+        if step.holders:
+            self.num_bytes += step.num_bytes
 
     def prune(self) -> None:
         """Drop the states of requests that finished or were preempted since they were added."""
@@ -97,15 +110,29 @@ class PendingContext:
         slots: list[int] = []
         for rid in rids:
             w = self._drop(rid)
-            hidden.extend(w.hidden)
+            hidden.extend(step.states[row:row + n] for step, row, n in w.parts)
             pos.extend(range(w.start, w.start + w.count))
             slots.extend(slot_list(w.request.block_table, w.start, w.start + w.count, block_size))
         return (hidden[0] if len(hidden) == 1 else torch.cat(hidden)), pos, slots
 
     def _drop(self, rid: str) -> _Waiting:
         w = self._waiting.pop(rid)
-        self.num_bytes -= sum(h.numel() * h.element_size() for h in w.hidden)
+        for step, _, _ in w.parts:
+            step.holders -= 1
+            if not step.holders:
+                self.num_bytes -= step.num_bytes
         return w
+
+
+class _Step:
+    """One step's tapped states, shared by the requests holding rows of them."""
+
+    __slots__ = ("states", "num_bytes", "holders")
+
+    def __init__(self, states: torch.Tensor) -> None:
+        self.states = states
+        self.num_bytes = states.numel() * states.element_size()
+        self.holders = 0
 
 
 @dataclasses.dataclass
@@ -114,7 +141,7 @@ class _Waiting:
     preemptions: int  # the request's count when these states were computed
     start: int  # position of the first state
     count: int = 0
-    hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    parts: list[tuple[_Step, int, int]] = dataclasses.field(default_factory=list)
 
 
 class DFlashProposer:
@@ -272,9 +299,9 @@ class DFlashProposer:
 
         pending = self._pending
         pending.prune()
-        for req, row, start, count in ctx:
-            # a copy: a view would keep the whole step's states alive while the request waits
-            pending.add(req, captured[row:row + count].clone(), start)
+        if ctx:
+            # one copy of the step's states (the runner may hand a buffer it reuses)
+            pending.add_step(captured.clone(), ctx)
         if pending.num_bytes > self.max_pending_context_bytes:
             self._write_context(pending.take(bs))
         self.draft_seconds = 0.0

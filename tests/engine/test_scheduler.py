@@ -83,6 +83,33 @@ def test_a_wave_is_judged_for_drafting_at_the_batch_it_forms() -> None:
     assert seen == [1] and plan.scheduled[0].draft
 
 
+def test_fresh_drafting_is_asked_only_when_a_request_samples_its_first_token() -> None:
+    """The question prices a whole batch, so it is asked once for a step that ends some
+    prefill, and never for one that only decodes or runs prefill chunks that sample nothing."""
+    seen: list[int] = []
+
+    class Recording(SpecController):
+        def fresh_request_drafts(self, batch_rows: int) -> bool:
+            seen.append(batch_rows)
+            return True
+
+    ctl = Recording(2, AcceptanceModel(2), None, SpecDecodingStats(2), adaptive=False)
+    sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=8, controller=ctl)
+    sched.add(make_request("long", 20, max_tokens=4))
+    runner = ScriptedRunner(scripts("long", "short", "late"), block_size=4)
+    plan, _, _ = step(sched, runner)  # a chunk of 8: no token sampled
+    assert seen == [] and not plan.scheduled[0].draft
+    step(sched, runner)
+    plan, _, _ = step(sched, runner)  # the last chunk: the first token, drafted at once
+    assert seen == [1] and plan.scheduled[0].draft
+    sched.add(make_request("short", 3, max_tokens=4))
+    sched.add(make_request("late", 3, max_tokens=4))  # waits: max_num_seqs is 2
+    plan, _, _ = step(sched, runner)  # "short" ends its prefill in a batch of two
+    assert seen == [1, 2] and [s.draft for s in plan.scheduled] == [True, True]
+    step(sched, runner)  # both decode, "late" still waits
+    assert seen == [1, 2]
+
+
 def test_admission_respects_token_budget_and_chunks_the_last_admitted() -> None:
     sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=10)
     for rid in ("a", "b", "c"):

@@ -132,7 +132,8 @@ def test_realized_gain_compares_speculative_with_plain_steps():
 
 
 def test_speculation_that_does_not_deliver_stops():
-    ctl = controller(acceptance=0.7, per_token=0.002, draft=0.0)
+    # (no plain probes: the 200 verifying steps below would make the last plan one)
+    ctl = controller(acceptance=0.7, per_token=0.002, draft=0.0, plain_probe_interval=10**6)
     assert ctl.plan(decode(1))[0].k == 4  # the models promise about 2x
     predicted = ctl.cost.step_time(1, 5)
     expected = ctl.expected_tokens(None, 4)
@@ -259,6 +260,84 @@ def test_a_request_drafts_again_after_plain_steps():
     assert ctl.acceptance.rates(state) == pytest.approx(ctl.acceptance.global_rates(), abs=1e-3)
 
 
+def test_a_plan_that_drafts_nobody_stands_while_its_inputs_do():
+    """Under load where nothing pays, the batch is priced once per ``replan_interval`` steps
+    at most; a change of rows or tokens, new verification evidence, or drafts held are priced
+    at once."""
+    ctl = controller(acceptance=0.01, per_token=0.001, draft=0.01, probe_interval=10**6,
+                     replan_interval=4)
+    priced = []
+    inner = ctl._optimal_ks
+    ctl._optimal_ks = lambda *a, **kw: (priced.append(len(a[0])), inner(*a, **kw))[1]
+    for _ in range(8):
+        assert not any(d.draft or d.k for d in ctl.plan(decode(4, available=0)))
+    assert priced == [4, 4]  # steps 1 and 5
+    ctl.plan(decode(3, available=0))  # a request left
+    ctl.plan(decode(3, available=0) + [Candidate(None, 0, K, 6)])  # one prefilling: more tokens
+    assert priced == [4, 4, 3, 4]
+    ctl.observe(ctl.acceptance.new_request(), 2, 1)  # a verification anywhere
+    ctl.plan(decode(4, available=0))
+    ctl.plan(decode(4, available=2))  # drafts held: the verification is priced
+    assert priced == [4, 4, 3, 4, 4, 4]
+    # a plan that drafts stands never
+    busy = controller(acceptance=0.95, per_token=0.0, draft=0.0, replan_interval=4)
+    assert all(all(d.draft for d in busy.plan(decode(4, available=0))) for _ in range(6))
+
+
+def _serve(ctl: SpecController, truth: StepCostModel, rows: int, acceptance: float,
+           steps: int) -> list[tuple[int, int]]:
+    """Steps of ``rows`` decoding requests timed by ``truth``, drafts accepted at
+    ``acceptance`` a position; (drafts verified, requests drafting) per step."""
+    rng = np.random.default_rng(0)
+    states = [ctl.acceptance.new_request() for _ in range(rows)]
+    held = [K] * rows
+    out = []
+    for _ in range(steps):
+        ds = ctl.plan([Candidate(states[i], held[i], K, 1) for i in range(rows)])
+        expected = sum(ctl.expected_tokens(states[i], d.k) for i, d in enumerate(ds))
+        produced = 0
+        for state, d in zip(states, ds):
+            n = 0
+            while n < d.k and rng.random() < acceptance:
+                n += 1
+            produced += 1 + n
+            ctl.observe(state, d.k, n)
+        verified, drafting = sum(d.k for d in ds), sum(d.draft for d in ds)
+        draft = truth.draft_time(drafting)
+        ctl.observe_step(rows, rows + verified, drafting,
+                         truth.step_time(rows, rows + verified) + draft, verified=verified,
+                         expected=expected, produced=produced, draft_seconds=draft)
+        held = [K if d.draft else 0 for d in ds]
+        out.append((verified, drafting))
+    return out
+
+
+def test_plain_probes_measure_a_level_that_only_verifying_steps_would_leave_stale():
+    """A cost line raised by a slow spell (here 1.6x) made drafting look worth it; where every
+    step then verifies, no plain step measures the level again. Plain probes do, and the
+    drafting stops; where drafting truly pays, they become rare."""
+    truth = cost_model(per_token=0.006, draft=0.005)
+
+    def stale(**kw) -> SpecController:
+        believed = cost_model(per_token=0.006, draft=0.005)
+        believed.table = [[1.6 * v for v in line] for line in believed.table]
+        return SpecController(K, AcceptanceModel(K, [0.5] * K), believed, SpecDecodingStats(K),
+                              **kw)
+
+    never = stale(plain_probe_interval=10**9)
+    assert all(v for v, _ in _serve(never, truth, 4, 0.5, 600)[-150:])  # drafts for good
+    ctl = stale()
+    late = _serve(ctl, truth, 4, 0.5, 600)[-150:]
+    assert sum(1 for v, _ in late if v) <= 2  # the probes of drafting only
+    assert ctl.cost.step_time(4, 4) == pytest.approx(truth.step_time(4, 4), rel=0.03)
+    # one stream where verification is cheap: drafting every step; plain probes back off
+    fast = controller(acceptance=0.8, per_token=0.0005, draft=0.002)
+    steps = _serve(fast, fast.cost, 1, 0.8, 1500)
+    plain = [i for i, (v, _) in enumerate(steps) if not v]
+    assert len(plain) <= 6 and plain[0] >= 32
+    assert fast._plain_every[0] == 512
+
+
 def test_seed_curve_file(tmp_path, caplog):
     assert load_seed_curve(tmp_path) is None
     (tmp_path / "acceptance.json").write_text(json.dumps({"conditional": [0.6, 0.4]}))
@@ -280,6 +359,26 @@ def test_cost_interpolation_and_extrapolation():
     assert m.step_time(128, 128) == pytest.approx(m.step_time(64, 64) * 2)
     assert m.step_time(1, 16) == pytest.approx(0.02 + 0.15)  # past 8 per row: last slope
     assert m.draft_time(0) == 0 and m.draft_time(2) == pytest.approx(0.01)
+
+
+def test_one_step_reading_equals_the_vectorised_one():
+    """``step_time``/``draft_time`` (pure Python, run every step) read exactly what
+    ``step_times``/``draft_times`` (the controller's pricing) read: between and past lines,
+    below a line's plain step, past the last cell, in order and as written."""
+    rng = np.random.default_rng(0)
+    m = cost_model(per_token=0.001, draft=0.004)
+    m.table = [[v * rng.uniform(0.8, 1.2) for v in line] for line in m.table]  # out of order
+    tokens = np.arange(0, 700)
+    for rows in (0, 1, 2, 3, 4, 9, 16, 40, 64, 100, 200):
+        for ordered in (True, False):
+            many = m.step_times(rows, tokens, ordered=ordered)
+            one = [m.step_time(rows, int(t), ordered=ordered) for t in tokens]
+            assert one == pytest.approx(many.tolist(), rel=1e-12, abs=1e-15)
+    assert [m.draft_time(r) for r in range(-1, 150)] == pytest.approx(
+        m.draft_times(np.arange(-1, 150)).tolist(), rel=1e-12, abs=1e-15)
+    single = StepCostModel([4], [4, 8], [[0.02, 0.03]], [0.001], max_per_row=2)
+    assert single.step_time(4, 12) == pytest.approx(float(single.step_times(4, [12])[0]))
+    assert single.draft_time(8) == pytest.approx(0.002)
 
 
 def test_cost_online_refinement_moves_toward_measurements():

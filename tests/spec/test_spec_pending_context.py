@@ -83,3 +83,22 @@ def test_a_new_request_under_a_used_id_starts_afresh() -> None:
     pending.add(new, torch.ones(1, 2), 0)
     hidden, pos, slots = pending.take(BS)
     assert torch.equal(hidden, torch.ones(1, 2)) and slots == [8]
+
+
+def test_a_steps_states_are_held_whole_while_any_request_holds_rows_of_them() -> None:
+    """One copy per step: the requests' rows are views of it, and the memory counted is
+    the step's states whole until the last request holding rows of them is done."""
+    a, b = _request("a", [1, 2]), _request("b", [3])
+    pending = PendingContext()
+    step = torch.arange(5 * 2, dtype=torch.float32).view(5, 2)  # a: rows 0-3, b: row 4
+    pending.add_step(step, [(a, 0, 0, 4), (b, 4, 2, 1)])
+    later = torch.full((1, 2), -1.0)
+    pending.add_step(later, [(a, 0, 4, 1)])
+    assert pending.num_tokens == 6 and pending.num_bytes == (5 + 1) * 2 * 4
+    hidden, pos, slots = pending.take(BS, ["a"])
+    assert torch.equal(hidden, torch.cat([step[:4], later])) and pos == [0, 1, 2, 3, 4]
+    assert slots == [4, 5, 6, 7, 8]
+    assert pending.num_bytes == 5 * 2 * 4  # b's one row keeps its step's states
+    hidden, pos, slots = pending.take(BS)
+    assert torch.equal(hidden, step[4:]) and pos == [2] and slots == [14]
+    assert pending.num_bytes == 0 and pending.num_tokens == 0
