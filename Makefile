@@ -92,6 +92,12 @@ bench-peers:
 # programming requests; GSM8K train 0-1,199 again), continued from stage 7's draft on pieces
 # 12-16, then once more with piece 17 at half the learning rate, then averaged half and half
 # with stage 7's draft; the tree is refitted on piece 15.
+# Stage 9: two more pieces (seed 18 chat, GSM8K train from 3,900, second turns; seed 19
+# programming requests), continued from stage 8 on pieces 12-19, twice, averaged with stage 8.
+# Stage 10: four new pieces (seeds 20 and 22 chat, GSM8K train 4,300-5,099, second turns; seed
+# 21 programming requests; GSM8K train 5,100-7,099), continued from stage 9 twice: on pieces
+# 20-22 (then averaged with stage 9) and on pieces 20-23 (averaged with stage 9); the two
+# averages are averaged, and the tree is refitted on piece 20's validation sequences.
 # Hours on a 2-core CPU (see models/drafts/smollm2-135m-instruct-dflash/README.md).
 DRAFT_DATA  ?= $(HOME)/.cache/specserve/dflash-data
 DRAFT_RUN   ?= $(HOME)/.cache/specserve/dflash-run
@@ -162,6 +168,25 @@ SYNTH_ARGS19 ?= --seed 19 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --
 DATA9 = $(DATA8) $(DRAFT_DATA15) $(DRAFT_DATA17) $(DRAFT_DATA19) $(DRAFT_DATA18)
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
+DRAFT_DATA20 ?= $(HOME)/.cache/specserve/dflash-data-v20
+DRAFT_DATA21 ?= $(HOME)/.cache/specserve/dflash-data-v21
+DRAFT_DATA22 ?= $(HOME)/.cache/specserve/dflash-data-v22
+DRAFT_DATA23 ?= $(HOME)/.cache/specserve/dflash-data-v23
+DRAFT_RUN9AVG ?= $(HOME)/.cache/specserve/dflash-run9-average
+DRAFT_RUN10 ?= $(HOME)/.cache/specserve/dflash-run10
+DRAFT_RUN10B ?= $(HOME)/.cache/specserve/dflash-run10b
+DRAFT_RUN10AVG ?= $(HOME)/.cache/specserve/dflash-run10-average
+DRAFT_RUN11 ?= $(HOME)/.cache/specserve/dflash-run11
+DRAFT_RUN11AVG ?= $(HOME)/.cache/specserve/dflash-run11-average
+GEN_ARGS256 = --max-tokens 256 --batch 64 --chunk 512
+SYNTH_ARGS20 ?= --seed 20 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 4300 \
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
+SYNTH_ARGS21 ?= --seed 21 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
+               $(GEN_ARGS256)
+SYNTH_ARGS22 ?= --seed 22 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 4700 \
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
+SYNTH_ARGS23 ?= --seed 23 --num 0 --turn2 0 --num-gsm8k 2000 --gsm8k-from 5100 \
+               --sources gsm8k_train $(GEN_ARGS256)
 train-draft: setup
 	$(PY) scripts/dflash_data.py generate --out $(DRAFT_DATA)
 	$(PY) scripts/dflash_data.py features --out $(DRAFT_DATA)
@@ -239,10 +264,33 @@ train-draft: setup
 	    --steps 3000 --eval-every 1000 --init $(DRAFT_RUN8AVG) --vocab-from $(DRAFT_RUN8AVG) --resume
 	$(PY) scripts/train_dflash.py --data $(DATA9) --out $(DRAFT_RUN9B) $(TRAIN_ARGS2) \
 	    --steps 1500 --lr 1.5e-4 --init $(DRAFT_RUN9)/draft --vocab-from $(DRAFT_RUN8AVG) --resume
-	mkdir -p models/drafts/smollm2-135m-instruct-dflash
 	$(PY) scripts/average_drafts.py $(DRAFT_RUN9B)/draft $(DRAFT_RUN8AVG) --weight 0.5 \
+	    --out $(DRAFT_RUN9AVG)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA20) $(SYNTH_ARGS20)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA21) $(SYNTH_ARGS21) \
+	    --dedup-against $(DRAFT_DATA20)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA22) $(SYNTH_ARGS22) \
+	    --dedup-against $(DRAFT_DATA20) $(DRAFT_DATA21)
+	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA23) $(SYNTH_ARGS23)
+	for d in $(DRAFT_DATA20) $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA23); do \
+	    $(PY) scripts/dflash_data.py features --out $$d --layers 1 14 27 || exit 1; done
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA20) \
+	    --out $(DRAFT_RUN10) $(TRAIN_ARGS2) --steps 3000 --eval-every 1000 --init $(DRAFT_RUN9AVG) \
+	    --vocab-from $(DRAFT_RUN9AVG) --resume
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA20) \
+	    --out $(DRAFT_RUN10B) $(TRAIN_ARGS2) --steps 1500 --lr 1.5e-4 --init $(DRAFT_RUN10)/draft \
+	    --vocab-from $(DRAFT_RUN9AVG) --resume
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN10B)/draft $(DRAFT_RUN9AVG) --weight 0.5 \
+	    --out $(DRAFT_RUN10AVG)
+	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA23) \
+	    $(DRAFT_DATA20) --out $(DRAFT_RUN11) $(TRAIN_ARGS2) --steps 3500 --eval-every 1000 \
+	    --init $(DRAFT_RUN9AVG) --vocab-from $(DRAFT_RUN9AVG) --resume
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN11)/draft $(DRAFT_RUN9AVG) --weight 0.5 \
+	    --out $(DRAFT_RUN11AVG)
+	mkdir -p models/drafts/smollm2-135m-instruct-dflash
+	$(PY) scripts/average_drafts.py $(DRAFT_RUN11AVG) $(DRAFT_RUN10AVG) --weight 0.5 \
 	    --out models/drafts/smollm2-135m-instruct-dflash
-	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA18) --draft models/drafts/smollm2-135m-instruct-dflash \
+	$(PY) benchmarks/tree_sim.py $(DRAFT_DATA20) --draft models/drafts/smollm2-135m-instruct-dflash \
 	    --val-split 200 --tree-nodes 32 --write-tree models/drafts/smollm2-135m-instruct-dflash/tree.json
 
 # Build the image and run it: /health, the README's requests, non-root user, clean stop; prints
