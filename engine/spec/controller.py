@@ -95,6 +95,10 @@ class SpecController:
         # the step last planned makes or verifies a probe's drafts: exploration, which the
         # realized-gain check leaves out (see observe_step)
         self._exploring = False
+        # the step last planned verifies a probe's drafts: a deliberate measurement of the
+        # largest blocks, which refines the cost model with plain_probe_weight (a block
+        # measured cheaper also bounds the smaller blocks' prices, StepCostModel.observe)
+        self._probe_verifying = False
         # A plan that drafts nobody, with no drafts held, stands for up to this many steps
         # while the batch (rows, query tokens) and the acceptance evidence (no verification
         # since) are unchanged: what still moves then (requests' own evidence ageing towards
@@ -151,6 +155,7 @@ class SpecController:
             self._standing = shape if quiet else None
             self._standing_steps = self.replan_interval - 1
         self._exploring = self._verify_probe
+        self._probe_verifying = self._verify_probe
         if self._verify_probe:
             # a probe's drafts are verified whole: the deep positions' acceptance and the
             # price of the largest block are measured too (where nothing else drafts, they
@@ -265,9 +270,10 @@ class SpecController:
         if self.cost is None:
             return
         exploring, self._exploring = self._exploring, False
+        probe_verifying, self._probe_verifying = self._probe_verifying, False
         plain_probe, self._plain_probe = self._plain_probe, False
         predicted = self.cost.step_time(rows, tokens) + self.cost.draft_time(drafted_rows)
-        weight = 1.0
+        weight = self.plain_probe_weight if probe_verifying and verified else 1.0
         if expected is not None:  # every row decodes: a step the controller chose
             b = self.cost.row_bucket(rows)
             if verified:

@@ -416,6 +416,46 @@ def test_cost_lines_are_read_in_order():
     assert (np.diff(times) >= 0).all()
 
 
+def test_a_block_measured_cheaper_bounds_the_smaller_blocks():
+    """Stale, high cells left of a verified block set its ordered price for good (the 8-token
+    cell priced a 16-token step at 44 ms for 60 steps that took 26); a cheaper measurement of
+    a block now pulls the smaller blocks' cells down to it, never the plain cell, and never
+    raises anything."""
+    m = cost_model(per_token=0.0005, draft=0.0)  # one-row line 20 / 20.5 / 21.5 / 23.5 ms
+    line = m.table[0]
+    plain = line[0]
+    for j in (1, 2):  # 2 and 4 tokens: 1.6x, stale since a slow spell
+        line[j] *= 1.6
+    assert m.step_time(1, 8) == pytest.approx(1.6 * (plain + 0.0015))  # the 4-token cell's
+    for _ in range(40):
+        m.observe(1, 8, 0, 0.0235)  # what 8 tokens take
+    assert m.step_time(1, 8) == pytest.approx(0.0235, rel=0.02)
+    assert all(m.table[0][j] <= m.table[0][3] + 1e-12 for j in (1, 2))
+    assert m.table[0][0] == plain  # verifying steps never move the plain cell
+    # a dearer measurement raises only its own cell
+    before = list(m.table[0])
+    m.observe(1, 4, 0, 0.05)
+    assert m.table[0][2] > before[2] and m.table[0][:2] == before[:2]
+    assert m.table[0][3:] == before[3:]
+
+
+def test_probes_unfreeze_verification_prices_left_stale():
+    """One stream whose verification cells stand 2x above the truth (a slow spell while it
+    verified, then plain steps scaling the line back) never verifies at those prices, so no
+    step of its own corrects them. The probes' whole blocks, weighted as deliberate
+    measurements, bound the smaller blocks, and drafting resumes."""
+    truth = cost_model(per_token=0.0005, draft=0.002)
+    believed = cost_model(per_token=0.0005, draft=0.002)
+    for line, rows in zip(believed.table, believed.rows):
+        for j, t in enumerate(believed.tokens):
+            if t > rows:
+                line[j] *= 2.0
+    ctl = SpecController(K, AcceptanceModel(K, [0.5] * K), believed, SpecDecodingStats(K))
+    assert not any(d.draft for d in ctl.plan(decode(1, available=0)))  # stale: no drafting
+    steps = _serve(ctl, truth, 1, 0.5, 600)
+    assert sum(1 for v, _ in steps[-200:] if v) >= 180  # verifying almost every step again
+
+
 def test_cost_refinement_with_the_draft_timed_apart():
     """One stream drafting every step visits only verify-and-draft steps. With the proposer's
     time known, the draft curve and the table each learn their own part (from the step's total
