@@ -128,21 +128,22 @@ DRAFT_DATA11 ?= $(HOME)/.cache/specserve/dflash-data-v11
 DRAFT_RUN6  ?= $(HOME)/.cache/specserve/dflash-run6b
 SYNTH_ARGS9 ?= --seed 9 --num 1500 --num-gsm8k 500 --sources selfgen gsm8k_train --max-tokens 256 \
                --batch 64
+GEN_ARGS256 = --max-tokens 256 --batch 64 --chunk 512
 SYNTH_ARGS10 ?= --seed 10 --num 700 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
-               --max-tokens 256 --batch 64 --chunk 512
+               $(GEN_ARGS256)
 SYNTH_ARGS11 ?= --seed 11 --num 2200 --turn2 150 --num-gsm8k 400 --gsm8k-from 2600 \
-               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
 DRAFT_DATA12 ?= $(HOME)/.cache/specserve/dflash-data-v12
 DRAFT_DATA13 ?= $(HOME)/.cache/specserve/dflash-data-v13
 DRAFT_DATA14 ?= $(HOME)/.cache/specserve/dflash-data-v14
 DRAFT_RUN6AVG ?= $(HOME)/.cache/specserve/dflash-run6-average
 DRAFT_RUN7  ?= $(HOME)/.cache/specserve/dflash-run7
 SYNTH_ARGS12 ?= --seed 12 --num 500 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
-               --max-tokens 256 --batch 64 --chunk 512
+               $(GEN_ARGS256)
 SYNTH_ARGS13 ?= --seed 13 --num 1800 --turn2 150 --num-gsm8k 300 --gsm8k-from 3000 \
-               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
 SYNTH_ARGS14 ?= --seed 14 --num 2000 --turn2 150 --num-gsm8k 200 --gsm8k-from 3300 \
-               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
 DRAFT_DATA15 ?= $(HOME)/.cache/specserve/dflash-data-v15
 DRAFT_DATA16 ?= $(HOME)/.cache/specserve/dflash-data-v16
 DRAFT_DATA17 ?= $(HOME)/.cache/specserve/dflash-data-v17
@@ -150,11 +151,11 @@ DRAFT_RUN7AVG ?= $(HOME)/.cache/specserve/dflash-run7-average
 DRAFT_RUN8  ?= $(HOME)/.cache/specserve/dflash-run8
 DRAFT_RUN8B ?= $(HOME)/.cache/specserve/dflash-run8b
 SYNTH_ARGS15 ?= --seed 15 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 3500 \
-               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
 SYNTH_ARGS16 ?= --seed 16 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
-               --max-tokens 256 --batch 64 --chunk 512
+               $(GEN_ARGS256)
 SYNTH_ARGS17 ?= --seed 17 --num 0 --turn2 0 --num-gsm8k 1200 --gsm8k-from 0 --sources gsm8k_train \
-               --max-tokens 256 --batch 64 --chunk 512
+               $(GEN_ARGS256)
 DATA8 = $(DRAFT_DATA12) $(DRAFT_DATA13) $(DRAFT_DATA14) $(DRAFT_DATA16)
 DRAFT_DATA18 ?= $(HOME)/.cache/specserve/dflash-data-v18
 DRAFT_DATA19 ?= $(HOME)/.cache/specserve/dflash-data-v19
@@ -162,9 +163,9 @@ DRAFT_RUN8AVG ?= $(HOME)/.cache/specserve/dflash-run8-average
 DRAFT_RUN9  ?= $(HOME)/.cache/specserve/dflash-run9
 DRAFT_RUN9B ?= $(HOME)/.cache/specserve/dflash-run9b
 SYNTH_ARGS18 ?= --seed 18 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 3900 \
-               --sources selfgen gsm8k_train selfgen_turn2 --max-tokens 256 --batch 64 --chunk 512
+               --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
 SYNTH_ARGS19 ?= --seed 19 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
-               --max-tokens 256 --batch 64 --chunk 512
+               $(GEN_ARGS256)
 DATA9 = $(DATA8) $(DRAFT_DATA15) $(DRAFT_DATA17) $(DRAFT_DATA19) $(DRAFT_DATA18)
 TRAIN_ARGS2 ?= --layers 1 --taps 1 14 27 --block-size 8 --gamma 4 --draft-vocab 8192 --anchors 32 \
                --batch 8 --steps 2000 --lr 3e-4 --eval-every 500 --val-sequences 200
@@ -178,13 +179,13 @@ DRAFT_RUN10B ?= $(HOME)/.cache/specserve/dflash-run10b
 DRAFT_RUN10AVG ?= $(HOME)/.cache/specserve/dflash-run10-average
 DRAFT_RUN11 ?= $(HOME)/.cache/specserve/dflash-run11
 DRAFT_RUN11AVG ?= $(HOME)/.cache/specserve/dflash-run11-average
-GEN_ARGS256 = --max-tokens 256 --batch 64 --chunk 512
 SYNTH_ARGS20 ?= --seed 20 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 4300 \
                --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
 SYNTH_ARGS21 ?= --seed 21 --num 600 --turn2 0 --num-gsm8k 0 --sources selfgen --topic code \
                $(GEN_ARGS256)
 SYNTH_ARGS22 ?= --seed 22 --num 2000 --turn2 150 --num-gsm8k 400 --gsm8k-from 4700 \
                --sources selfgen gsm8k_train selfgen_turn2 $(GEN_ARGS256)
+DATA10 = $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA20)
 SYNTH_ARGS23 ?= --seed 23 --num 0 --turn2 0 --num-gsm8k 2000 --gsm8k-from 5100 \
                --sources gsm8k_train $(GEN_ARGS256)
 train-draft: setup
@@ -274,11 +275,9 @@ train-draft: setup
 	$(PY) scripts/self_synth.py pipeline --out $(DRAFT_DATA23) $(SYNTH_ARGS23)
 	for d in $(DRAFT_DATA20) $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA23); do \
 	    $(PY) scripts/dflash_data.py features --out $$d --layers 1 14 27 || exit 1; done
-	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA20) \
-	    --out $(DRAFT_RUN10) $(TRAIN_ARGS2) --steps 3000 --eval-every 1000 --init $(DRAFT_RUN9AVG) \
+	$(PY) scripts/train_dflash.py --data $(DATA10) --out $(DRAFT_RUN10) $(TRAIN_ARGS2) --steps 3000 --eval-every 1000 --init $(DRAFT_RUN9AVG) \
 	    --vocab-from $(DRAFT_RUN9AVG) --resume
-	$(PY) scripts/train_dflash.py --data $(DRAFT_DATA21) $(DRAFT_DATA22) $(DRAFT_DATA20) \
-	    --out $(DRAFT_RUN10B) $(TRAIN_ARGS2) --steps 1500 --lr 1.5e-4 --init $(DRAFT_RUN10)/draft \
+	$(PY) scripts/train_dflash.py --data $(DATA10) --out $(DRAFT_RUN10B) $(TRAIN_ARGS2) --steps 1500 --lr 1.5e-4 --init $(DRAFT_RUN10)/draft \
 	    --vocab-from $(DRAFT_RUN9AVG) --resume
 	$(PY) scripts/average_drafts.py $(DRAFT_RUN10B)/draft $(DRAFT_RUN9AVG) --weight 0.5 \
 	    --out $(DRAFT_RUN10AVG)

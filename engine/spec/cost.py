@@ -194,15 +194,16 @@ class StepCostModel:
                 if j >= start:
                     line[j] *= ratio ** (a * wi * wj)
             # A block measured cheaper bounds every smaller block of the line (the cells left
-            # of the ones just refined; cells on their right are not this step's evidence): the line is
-            # read non-decreasing, so a smaller block's stale, higher cell would otherwise set
-            # the price of this one for good, and, never chosen at that price, never be
-            # measured again. One stream (held-out chat) verified 16-token blocks that took
-            # 26 ms for 60 steps at a price of 44.2 ms, the 8-token cell's, stale since a
-            # slow spell; with 4 tokens priced 40% above a plain step it drafted in 26 of
-            # 4,575 steps (probes only) and served 0.97x no speculation. Only downwards: a
-            # cell under-priced this way gets chosen and measured (raising cells on their
-            # right for good instead is what the reading avoids, see _line)
+            # of the ones just refined; cells on their right are not this step's evidence).
+            # The line is read non-decreasing, so a smaller block's stale, higher cell would
+            # otherwise set the price of this one for good, and, never chosen at that price,
+            # never be measured again. One stream (held-out chat) verified 16-token blocks
+            # that took 26 ms for 60 steps at a price of 44.2 ms, the 8-token cell's, stale
+            # since a slow spell; with 4 tokens priced 40% above a plain step it verified
+            # drafts in 26 steps against 4,575 plain ones (probes only) and served 0.97x no
+            # speculation. Only downwards: a cell under-priced this way gets chosen and
+            # measured (raising cells on their right for good instead is what the reading
+            # avoids, see _line)
             for j in range(cells[0][0] - 1, start - 1, -1):
                 if line[j] > line[j + 1]:
                     line[j] = line[j + 1]
