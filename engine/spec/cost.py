@@ -300,13 +300,15 @@ def ladder(limit: int, factor: int = 2) -> list[int]:
 def measure_step_costs(
     runner: ModelRunner, blocks: BlockManager, *, max_rows: int, max_per_row: int,
     max_tokens: int, with_draft: bool, vocab_size: int, lookahead: int, max_model_len: int,
-    repeats: int = 3, time_budget: float = 6.0,
+    repeats: int = 3, time_budget: float = 6.0, sparse_budget: float = 4.0,
 ) -> StepCostModel:
     """Time real runner steps on synthetic requests (their pages are scratch: the blocks are
     taken from and returned to the pool before any request arrives).
 
-    Rows are measured from small to large until ``time_budget`` seconds are spent; rows past
-    that are extrapolated in proportion to the rows (online refinement corrects them).
+    Rows are measured from small to large: every decode-sized block of a line while
+    ``time_budget`` seconds last, then (up to ``sparse_budget`` times that) only each line's
+    plain step, its one-draft-a-row block and its draft pass; lines past even that are
+    extrapolated in proportion to the rows (online refinement corrects them).
     """
     rows_ladder = [r for r in ladder(max_rows, 4) if r <= max_tokens]
     tokens = token_ladder(rows_ladder, max_per_row, max_tokens)
@@ -374,14 +376,26 @@ def measure_step_costs(
         measured: list[tuple[list[int], list[float]]] = []
         draft: list[float] = []
         for rows, (first, _) in zip(rows_ladder, spans):
-            if measured and time.perf_counter() - start > time_budget:
+            spent = time.perf_counter() - start
+            if measured and spent > sparse_budget * time_budget:
                 break
+            rounds = 2 * repeats if rows == 1 else repeats
+            if measured and spent > time_budget:
+                # Out of time for the whole line, not for its shape: its plain step and one
+                # draft a row, once each after a warm-up (the slope past them is read on).
+                # Extrapolated in proportion to the 4-row line instead, a 2-vCPU AVX2 EPYC
+                # (float32, slow enough that 6 s measured only 1 and 4 rows) priced 16 rows
+                # at 184 ms plain and +20% for one draft a row, where real steps took 80-100
+                # ms and +45-60%: once plain steps had refined the level down, drafts looked
+                # cheap, and 16 streams served 0.90x no speculation
+                first = [t for t in first if t in (rows, 2 * rows)] or first[:1]
+                rounds = 1
             plans = [plan_for(rows, t, False) for t in first]
             if with_draft:
                 plans.append(plan_for(rows, rows, True))
             # one row is the cheapest line and the one single streams decide from: twice the
             # rounds (its 8-token price varied by 1.14-1.66x over 3-round calibrations)
-            times, proposer = run(*plans, repeats=2 * repeats if rows == 1 else repeats)
+            times, proposer = run(*plans, repeats=rounds)
             measured.append((list(first), times[: len(first)]))
             # the draft pass as the proposer times it (Proposer.draft_seconds): the difference
             # of two whole steps, each noisy by milliseconds, once priced a 2.7 ms pass at 4.9

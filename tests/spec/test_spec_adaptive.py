@@ -388,3 +388,50 @@ def test_cost_calibration_measures_every_line_before_the_large_blocks(monkeypatc
     # not: they follow its measured slope
     assert clock[0] > 80
     assert model.step_time(16, 512) == pytest.approx(truth(16, 512))
+
+
+def test_cost_calibration_out_of_time_still_measures_each_lines_shape(monkeypatch):
+    """Past the time budget a line is measured sparsely (its plain step, one draft a row and
+    the draft pass), not scaled from the line below: on a CPU where a step's cost follows its
+    tokens in all, 16 rows priced as 4 times the 4-row line put the plain step at twice its
+    cost and a draft a row at a fraction of its share, and drafting looked cheap."""
+    import types
+
+    import engine.spec.cost as cost_mod
+    from engine.block_manager import BlockManager
+
+    clock = [0.0]
+    seen: dict[int, set[int]] = {}
+
+    def truth(rows: int, tokens: int) -> float:
+        return 0.03 + 0.004 * tokens + 0.0005 * rows  # compute-bound: tokens in all
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def execute(self, plan):
+            rows, tokens = len(plan.scheduled), plan.num_tokens
+            seen.setdefault(rows, set()).add(tokens)
+            drafting = 0.001 * rows if any(s.draft for s in plan.scheduled) else 0.0
+            clock[0] += truth(rows, tokens) + drafting
+            return types.SimpleNamespace(draft_elapsed=drafting)
+
+    monkeypatch.setattr(cost_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = cost_mod.measure_step_costs(
+        Runner(), BlockManager(512, 16), max_rows=64, max_per_row=8, max_tokens=2048,
+        with_draft=True, vocab_size=100, lookahead=8, max_model_len=512, time_budget=3.0)
+    assert model.rows == [1, 4, 16, 64]
+    assert seen[16] == {16, 32} and seen[64] == {64, 128}  # sparse: plain and a draft a row
+    assert len(seen[4]) > 2  # the 4-row line was measured whole
+    for rows, tokens in [(16, 16), (16, 24), (16, 32), (16, 64), (64, 64), (64, 96), (64, 128),
+                         (64, 256)]:
+        assert model.step_time(rows, tokens) == pytest.approx(truth(rows, tokens)), (rows, tokens)
+    assert model.draft_time(16) == pytest.approx(0.016)
+    assert model.draft_time(64) == pytest.approx(0.064)
+    # and past sparse_budget times the budget, lines are extrapolated as before
+    seen.clear()
+    cost_mod.measure_step_costs(
+        Runner(), BlockManager(512, 16), max_rows=64, max_per_row=8, max_tokens=2048,
+        with_draft=True, vocab_size=100, lookahead=8, max_model_len=512, time_budget=3.0,
+        sparse_budget=1.0)
+    assert 16 not in seen and 64 not in seen
