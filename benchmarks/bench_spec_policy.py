@@ -14,6 +14,13 @@ the mean acceptance length of the verified drafts and, for the adaptive engine, 
 k = 0..K was verified. Set ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` to
 run torch's kernels as on a CPU without AVX-512.
 
+``--lockstep``: the engines take turns every engine step instead of every batch, each running a
+closed loop of C requests in flight (the next prompt submitted as one finishes, as under C
+clients of a server); for a machine whose speed drifts within a batch. One ratio per row:
+
+    python benchmarks/bench_spec_policy.py --lockstep --sets chat --concurrency 1 4 16 32 \
+        --single-prompts 24 --prompts 80 --no-fixed-k
+
 Sets: ``gsm8k`` (GSM8K test), ``chat`` (the 50 held-out self-instruct prompts plus
 ``benchmarks/data/chat_heldout.jsonl``, general chat and code requests written for this
 benchmark; none of them was used to train the draft).
@@ -111,6 +118,7 @@ def _serve_engine(conn: Any, spec: dict | None, common: dict) -> None:
     except Exception:  # noqa: BLE001 - reported to the parent
         conn.send((False, traceback.format_exc()))
         return
+    loop: Arrivals | None = None
     while True:
         what, args = conn.recv()
         if what == "exit":
@@ -122,6 +130,13 @@ def _serve_engine(conn: Any, spec: dict | None, common: dict) -> None:
                 start = time.perf_counter()
                 outs = llm.generate(*args)
                 value = (time.perf_counter() - start, [o.outputs[0].token_ids for o in outs])
+            elif what == "open":  # a closed loop stepped from outside (see measure_lockstep)
+                loop = Arrivals(llm, *args)
+                value = None
+            elif what == "steps":
+                value = loop.steps(*args)
+            elif what == "close":
+                value, loop = loop.outputs(), None
             elif what == "stats":
                 s = llm.get_spec_decoding_stats()
                 value = (s.num_drafts, s.num_accepted_tokens, list(s.num_steps_by_k))
@@ -152,15 +167,85 @@ def measure(engines: dict[str, EngineProcess], prompts: list[str], concurrency: 
             acc[n]["outputs"] += outs
     res = {}
     for n, engine in engines.items():
-        (d0, a0, k0), (d1, a1, k1) = before[n], engine.call("stats")
-        drafts, accepted = d1 - d0, a1 - a0
-        by_k = [x - y for x, y in zip(k1, k0)] if k0 else []
         a = acc[n]
         res[n] = {"tok_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
-                  "seconds": a["seconds"],
-                  "acceptance_length": 1 + accepted / drafts if drafts else None,
-                  "steps_by_k": by_k, "outputs": a["outputs"], "batch_tok_s": a["batch_tok_s"]}
+                  "seconds": a["seconds"], "outputs": a["outputs"],
+                  "batch_tok_s": a["batch_tok_s"], **_spec_delta(before[n], engine.call("stats"))}
     return res
+
+
+class Arrivals:
+    """A closed loop inside one engine: ``concurrency`` requests in flight, the next prompt
+    submitted as one finishes (as under that many clients of a server), advanced a few engine
+    steps at a time by the caller."""
+
+    def __init__(self, llm: LLM, prompts: list[str], params: SamplingParams,
+                 concurrency: int) -> None:
+        self.engine = llm.engine
+        self.ids = [llm._tokenize(p)[1] for p in prompts]
+        self.params, self.concurrency = params, concurrency
+        self.next = self.live = 0
+        self.done: dict[int, list[int]] = {}
+
+    def steps(self, n: int) -> tuple[float, bool]:
+        """Run up to ``n`` engine steps; returns their seconds and whether every prompt is done."""
+        engine = self.engine
+        start = time.perf_counter()
+        for _ in range(n):
+            while self.live < self.concurrency and self.next < len(self.ids):
+                engine.add_request(str(self.next), self.ids[self.next], self.params)
+                self.next += 1
+                self.live += 1
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    self.live -= 1
+                    self.done[int(out.request_id)] = list(out.outputs[0].token_ids)
+        finished = self.next == len(self.ids) and not engine.has_unfinished_requests()
+        return time.perf_counter() - start, finished
+
+    def outputs(self) -> list[list[int]]:
+        return [self.done[i] for i in range(len(self.ids))]
+
+
+def measure_lockstep(engines: dict[str, EngineProcess], prompts: list[str], concurrency: int,
+                     params: SamplingParams, turn_steps: int = 1) -> dict[str, dict]:
+    """As :func:`measure`, but the engines take turns every ``turn_steps`` engine steps of a
+    closed loop (:class:`Arrivals`), so drift of the machine within a batch hits them alike
+    too. On a 2-vCPU AVX2 EPYC whose speed moved by 30% within a minute, batch-by-batch turns
+    (or separate servers) could not resolve a few percent; stepping in turn, two engines
+    without speculation measured 0.992x each other over 80 prompts at 32 streams. One
+    ratio per run (no per-batch spread)."""
+    names = list(engines)
+    before = {n: e.call("stats") for n, e in engines.items()}
+    for engine in engines.values():
+        engine.call("open", prompts, params, concurrency)
+    seconds = dict.fromkeys(names, 0.0)
+    running = list(names)
+    turn = 0
+    while running:
+        for n in running[turn % len(running):] + running[:turn % len(running)]:
+            spent, finished = engines[n].call("steps", turn_steps)
+            seconds[n] += spent
+            if finished:
+                running.remove(n)
+        turn += 1
+    res = {}
+    for n, engine in engines.items():
+        outs = engine.call("close")
+        tokens = sum(len(o) for o in outs)
+        res[n] = {"tok_s": tokens / seconds[n], "tokens": tokens, "seconds": seconds[n],
+                  "outputs": outs, "batch_tok_s": [tokens / seconds[n]],
+                  **_spec_delta(before[n], engine.call("stats"))}
+    return res
+
+
+def _spec_delta(before: tuple, after: tuple) -> dict:
+    (d0, a0, k0), (d1, a1, k1) = before, after
+    drafts, accepted = d1 - d0, a1 - a0
+    return {"acceptance_length": 1 + accepted / drafts if drafts else None,
+            "steps_by_k": [x - y for x, y in zip(k1, k0)] if k0 else []}
 
 
 def paired_ratios(res: dict[str, dict], name: str, base: str = "none") -> list[float]:
@@ -190,8 +275,16 @@ def main(argv: list[str] | None = None) -> None:
                         "the draft's own; fixed-K engines always verify chains")
     p.add_argument("--chain-too", action="store_true",
                    help="also run the adaptive engine on chains (\"tree\": \"chain\")")
+    p.add_argument("--lockstep", action="store_true",
+                   help="engines take turns step by step, each running a closed loop of "
+                        "C requests in flight (measure_lockstep) instead of batch by batch")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="with --lockstep: prompts per concurrency level > 1 (default C x waves)")
+    p.add_argument("--no-fixed-k", action="store_true", help="no fixed-K engines")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.no_fixed_k:
+        args.fixed_k = []
     draft = default_draft_for(args.model) if args.draft == "default" else Path(args.draft)
     if draft is None:
         raise SystemExit("No shipped draft for this model; pass --draft PATH")
@@ -231,9 +324,10 @@ def main(argv: list[str] | None = None) -> None:
     print("|---" * (len(spec_systems) + 5) + "|")
     for set_name in args.sets:
         for c in args.concurrency:
-            n = args.single_prompts if c == 1 else c * args.waves
+            n = args.single_prompts if c == 1 else (
+                args.prompts if args.lockstep and args.prompts else c * args.waves)
             prompts = engines["none"].call("chat", questions[set_name](n))
-            res = measure(engines, prompts, c, params)
+            res = (measure_lockstep if args.lockstep else measure)(engines, prompts, c, params)
             base = res["none"]["outputs"]
             mismatches = sum(res[s]["outputs"] != base for s in spec_systems)
             report["rows"].append({
