@@ -1,7 +1,8 @@
 """The CPU kernels (``attention/csrc/``), one torch extension built on first use: the paged
 attention (``paged_attention.cpp``) and a decoder layer's elementwise steps (``layer_ops.cpp``:
 RMSNorm with the residual add fused in, SiLU(gate) * up, RoPE of Q and K) and the greedy
-choice of a token (``sampling_ops.cpp``: argmax over the vocabulary).
+choice of a token (``sampling_ops.cpp``: argmax over the vocabulary) and bf16 matrix products
+for CPUs whose oneDNN has no native bf16 (``linear_ops.cpp``, ``models/panel_linear.py``).
 
 ``make setup`` builds it once (``python -m attention.cpu_kernel``); otherwise the first call
 builds it (about a minute on two cores) into ``attention/csrc/build/``. When no compiler is
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("module.cpp", "paged_attention.cpp", "layer_ops.cpp",
-                                            "sampling_ops.cpp")]
+                                            "sampling_ops.cpp", "linear_ops.cpp")]
 _BUILD = Path(os.environ.get("SPECSERVE_KERNEL_BUILD_DIR")
               or Path(__file__).resolve().parent / "csrc" / "build")
 # The instruction set the kernels are compiled for: this CPU's by default; e.g. ``x86-64-v3``

@@ -1,14 +1,14 @@
-"""The matrix products of a decode step three ways: ``F.linear``, PyTorch's oneDNN-packed
+"""The matrix products of a decode step four ways: ``F.linear``, PyTorch's oneDNN-packed
 weights (``mkldnn._linear_pointwise``, one row padded to ``--pad`` rows as ``layers.linear``
-must for row-count invariance), and the direct oneDNN path (``models/onednn.py``, one row as
-is).
+must for row-count invariance), the direct oneDNN path (``models/onednn.py``, one row as is)
+and, for bf16, the compiled AVX2 panel kernel (``models/panel_linear.py``, one row as is).
 
 SmolLM2-135M-Instruct's shapes by default (QKV 576->960, O 576->576, gate/up 576->3072, down
 1536->576 per layer, LM head 576->49152), random weights, a distinct weight per layer as in a
 real step (so they come from memory). Each round times one step's products (30 layers x 4
 projections + the LM head) once per way, in turn; the table gives the median over the rounds,
-the direct / PyTorch-packed ratio, and whether the direct rows have the same bits at this row
-count as inside a 64-row product.
+the direct / PyTorch-packed ratio, and whether the direct and panel rows have the same bits at
+this row count as inside a 64-row product.
 
     python benchmarks/bench_linear.py --dtypes bfloat16 float32 --rows 1 4 16 32 --rounds 9
 """
@@ -26,12 +26,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models import onednn  # noqa: E402
+from models import onednn, panel_linear  # noqa: E402
 from models.layers import linear  # noqa: E402
 
 PROJECTIONS = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out), once per layer
 HEAD = (576, 49152)
-WAYS = ("plain", "packed", "direct")
+WAYS = ("plain", "packed", "direct", "panels")
+INVARIANT = ("direct", "panels")  # the ways whose rows must not depend on the row count
 
 
 def step_weights(dtype: torch.dtype, layers: int, seed: int = 0) -> list[torch.Tensor]:
@@ -43,8 +44,9 @@ def step_weights(dtype: torch.dtype, layers: int, seed: int = 0) -> list[torch.T
 
 def compare(dtype: torch.dtype, rows: int, layers: int, rounds: int, pad: int = 2
             ) -> dict[str, float | bool | None]:
-    """Median ms per step for each way (``None`` where it is unavailable here) and
-    ``same_bits``: the direct rows equal the same rows inside a 64-row product."""
+    """Median ms per step for each way (``None`` where it is unavailable here) and, for the
+    direct and panel ways, ``same_bits_<way>``: its rows equal the same rows inside a 64-row
+    product (``None`` where the way is unavailable)."""
     weights = step_weights(dtype, layers)
     g = torch.Generator().manual_seed(1)
     inputs = {k: torch.randn(64, k, generator=g).to(dtype) for k in {w.shape[1] for w in weights}}
@@ -52,15 +54,16 @@ def compare(dtype: torch.dtype, rows: int, layers: int, rounds: int, pad: int = 
         torch_packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
     except RuntimeError:
         torch_packed = None
-    direct = [onednn.pack(w) for w in weights]
-    direct = direct if all(p is not None for p in direct) else None
+    invariant = {way: [pack(w) for w in weights]
+                 for way, pack in (("direct", onednn.pack), ("panels", panel_linear.pack))}
+    invariant = {way: ps for way, ps in invariant.items() if all(p is not None for p in ps)}
 
     runs = {"plain": lambda: [F.linear(inputs[w.shape[1]][:rows], w) for w in weights]}
     if torch_packed is not None:
         runs["packed"] = lambda: [linear(inputs[p.shape[1]][:rows], None, packed=p, min_rows=pad)
                                   for p in torch_packed]
-    if direct is not None:
-        runs["direct"] = lambda: [p(inputs[p.shape[1]][:rows]) for p in direct]
+    for way, products in invariant.items():
+        runs[way] = lambda products=products: [p(inputs[p.shape[1]][:rows]) for p in products]
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
         for run in runs.values():
@@ -70,13 +73,13 @@ def compare(dtype: torch.dtype, rows: int, layers: int, rounds: int, pad: int = 
                 start = time.perf_counter()
                 run()
                 times[name].append((time.perf_counter() - start) * 1e3)
-        same = None
-        if direct is not None:
-            same = all(torch.equal(p(inputs[p.shape[1]][:rows]), p(inputs[p.shape[1]])[:rows])
-                       for p in direct)
+        same = {f"same_bits_{way}": all(
+            torch.equal(p(inputs[p.shape[1]][:rows]), p(inputs[p.shape[1]])[:rows])
+            for p in products) for way, products in invariant.items()}
     res: dict[str, float | bool | None] = {w: None for w in WAYS}
+    res.update({f"same_bits_{way}": None for way in INVARIANT})
     res.update({name: statistics.median(t) for name, t in times.items()})
-    res["same_bits"] = same
+    res.update(same)
     return res
 
 
@@ -91,9 +94,9 @@ def main() -> None:
     direct = onednn.load()
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, direct oneDNN "
           f"{direct.version() if direct else 'unavailable: ' + str(onednn.error())}")
-    print("| dtype | rows | F.linear ms/step | packed ms/step | direct ms/step | direct / packed "
-          "| direct rows as in 64 |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | rows | F.linear ms/step | packed ms/step | direct ms/step | panels ms/step "
+          "| best invariant / packed | invariant rows as in 64 |")
+    print("|---|---|---|---|---|---|---|---|")
 
     def fmt(v):
         return "-" if v is None else f"{v:.1f}"
@@ -101,11 +104,12 @@ def main() -> None:
     for name in args.dtypes:
         for rows in args.rows:
             r = compare(getattr(torch, name), rows, args.layers, args.rounds, args.pad)
-            ratio = f"{r['direct'] / r['packed']:.2f}" if r["direct"] and r["packed"] else "-"
-            same = {None: "-", True: "yes", False: "no"}[r["same_bits"]]
+            best = min((r[w] for w in INVARIANT if r[w] is not None), default=None)
+            ratio = f"{best / r['packed']:.2f}" if best and r["packed"] else "-"
+            same = ", ".join(f"{w} {'yes' if r[f'same_bits_{w}'] else 'no'}"
+                             for w in INVARIANT if r[f"same_bits_{w}"] is not None) or "-"
             print(f"| {name} | {rows} | {fmt(r['plain'])} | {fmt(r['packed'])} | "
-                  f"{fmt(r['direct'])} | {ratio} | {same} |")
-
+                  f"{fmt(r['direct'])} | {fmt(r['panels'])} | {ratio} | {same} |")
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,12 @@ shapes, random weights, attention over a paged cache, every elementwise op) and 
 timed in both dtypes per token for decode batches of 1, 4, 16 and 32 rows (up to
 ``max_num_seqs``) and for a 128-token prefill step. The winner serves a request (a prompt
 token plus a generated token) faster in the geometric mean over the batch sizes, so one stream
-and a full batch weigh alike. With AVX2 kernels bfloat16 decodes one stream 2x faster than
-float32 but runs prefill and batches of 16-32 about 2x slower; a one-row figure alone would
-have halved throughput under load. The result is cached per machine and model shape
+and a full batch weigh alike. With PyTorch's AVX2 kernels bfloat16 decoded one stream 2x
+faster than float32 but ran prefill and batches of 16-32 about 2x slower; a one-row figure alone
+would have halved throughput under load. (Since bf16 products there come from this project's
+panel kernel, ``models/panel_linear.py``, bfloat16 is faster at every size on an AVX2 EPYC:
+16.2 / 5.3 / 3.4 / 2.9 / 2.5 ms per token at 1 / 4 / 16 / 32 rows and a prefill step, against
+float32's 36.6 / 10.5 / 5.0 / 3.8 / 2.9.) The result is cached per machine and model shape
 (``engine.measure_cache``) and logged with the figures.
 """
 
@@ -28,9 +31,10 @@ from models.layers import linear, pack_weight
 
 log = logging.getLogger("specserve.engine")
 
-CACHE_VERSION = 10  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls;
+CACHE_VERSION = 11  # 3: alternating rounds; 4: per batch size; 5: a whole layer, not matmuls;
 # 6: packed weights; 7: fused layer ops, attention over all kv heads per task; 8: row padding;
-# 9: AVX2 kernels' vectors kept in registers (their attention ~4x faster); 10: direct oneDNN
+# 9: AVX2 kernels' vectors kept in registers (their attention ~4x faster); 10: direct oneDNN;
+# 11: bf16 products from the AVX2 panel kernel where oneDNN has no native bf16
 DTYPES = ("float32", "bfloat16")
 _HEAD_ROWS_MAX = 32768  # time at most this many LM-head rows, scaled to the vocabulary
 CONTEXT = 256  # tokens of context per row in the timed steps

@@ -41,6 +41,9 @@ def machine_signature(device: torch.device) -> dict[str, Any]:
         "isa": [torch.backends.cpu.get_cpu_capability(),
                 os.environ.get("ATEN_CPU_CAPABILITY", ""), os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
                 os.environ.get("SPECSERVE_KERNEL_MARCH", "")],  # and this project's kernels'
+        # which of this project's matrix products are switched on (side-by-side runs)
+        "products": [os.environ.get("SPECSERVE_ONEDNN", ""),
+                     os.environ.get("SPECSERVE_PANEL_LINEAR", "")],
     }
     if device.type == "cuda":
         sig["gpu"] = torch.cuda.get_device_name(device)

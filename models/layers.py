@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import cpu_kernel
-from models import onednn
+from models import onednn, panel_linear
 from models.onednn import DirectPacked
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -49,8 +49,9 @@ def pack_weight(weight: torch.Tensor) -> Packed | None:
     """A ``[out, in]`` weight packed for the CPU's oneDNN products in :func:`linear`, or ``None``
     where it cannot be (not on the CPU, another dtype, or a CPU without the ISA it needs, e.g.
     bf16 without AVX-512). Where the direct path builds and its kernel's rows do not depend on
-    the row count (:func:`models.onednn.pack`), a :class:`DirectPacked`; else PyTorch's own
-    packed copy (``mkldnn._reorder_linear_weight``).
+    the row count (:func:`models.onednn.pack`), a :class:`DirectPacked`; else, for bf16 on a CPU
+    with AVX2 and FMA, one for the compiled panel kernel (:func:`models.panel_linear.pack`, also
+    row-count invariant); else PyTorch's own packed copy (``mkldnn._reorder_linear_weight``).
 
     A plain ``F.linear`` re-blocks the weight on every call (bf16) or goes to MKL (fp32). The
     packed products of a SmolLM2-135M step took 0.62-0.82x the time for 1-64 rows in bf16 with
@@ -59,7 +60,7 @@ def pack_weight(weight: torch.Tensor) -> Packed | None:
     ``benchmarks/bench_linear.py``."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    direct = onednn.pack(weight)
+    direct = onednn.pack(weight) or panel_linear.pack(weight)
     if direct is not None:
         return direct
     if not torch.backends.mkldnn.is_available():

@@ -144,7 +144,8 @@ def pack(weight: torch.Tensor) -> DirectPacked | None:
                          list(weight.shape), weight.dtype, *found, kernels)
     except RuntimeError as exc:  # oneDNN has no kernel for this dtype on this CPU
         _state["probed"][key] = False
-        log.info("no oneDNN matmul for %s %s here (%s); PyTorch's packed path serves",
+        log.info("no oneDNN matmul for %s %s here (%s); the panel kernel (bf16) or PyTorch's "
+                 "packed path serves",
                  list(weight.shape), weight.dtype, exc)
         return None
     op.set_row_range(*_state["probed"][key])

@@ -19,6 +19,10 @@ std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tenso
 void store_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
               torch::Tensor offsets);
 torch::Tensor argmax_rows(torch::Tensor x);
+bool bf16_linear_available();
+torch::Tensor bf16_linear_pack(torch::Tensor weight);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+                          std::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TORCH_CHECK(paged_attention_self_check(), "paged attention: kSlot does not match reduce16");
@@ -31,5 +35,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] (CPU)");
   m.def("rope_qk", &rope_qk, "Rotary embedding of the query and key heads of a QKV row (CPU)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1), vectorized (CPU)");
+  m.def("bf16_linear_available", &bf16_linear_available,
+        "Whether bf16_linear was built (AVX2 and FMA)");
+  m.def("bf16_linear_pack", &bf16_linear_pack, "A bf16 weight [N, K] as [N/16, K, 16] panels");
+  m.def("bf16_linear", &bf16_linear, "x W^T (+ b), bf16, row-count invariant (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("store_kv", &store_kv, "Write K/V rows to their cache slots (CPU, same dtype)");
 }

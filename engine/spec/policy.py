@@ -24,14 +24,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 20  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
+COST_CACHE_VERSION = 21  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
 # 11: one row padded to the fastest row count; 12: packed draft weights, context writes
 # deferred per request; 13: AVX2 kernels' vectors kept in registers; 14: direct oneDNN products;
 # 15: the draft pass priced from the proposer's own times; 16: direct products held to probed
 # row counts (padded and split); 17: compiled argmax, logits kept in the model dtype; 18: direct
 # products exact up to 64 rows, layer ops with 512-bit vectors; 19: a step's tokens in all on
 # the token axis, measured on both sides of the 16-row tile edges; 20: lines past the time
-# budget measured sparsely, not scaled from the line below
+# budget measured sparsely, not scaled from the line below; 21: bf16 AVX2 panel products
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,

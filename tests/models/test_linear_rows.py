@@ -6,8 +6,9 @@ differs in the last bit (measured here with plain ``F.linear``). A token decoded
 same token verified inside a block of drafts must get the same logits, so ``linear`` never
 multiplies a single reduced-precision row on its own. The same holds for weights packed by
 oneDNN (``pack_weight``), in bf16 and in fp32, where the packed product is also row-count
-invariant (MKL's plain fp32 product is not). The direct oneDNN path (``models/onednn.py``, its
-own tests) is what ``pack_weight`` returns where it builds; these tests hold for both.
+invariant (MKL's plain fp32 product is not). The direct oneDNN path (``models/onednn.py``) and,
+for bf16 without it, the AVX2 panel kernel (``models/panel_linear.py``; each with its own tests)
+are what ``pack_weight`` returns where they build; these tests hold for all of them.
 
 With AMX, PyTorch's bf16 products (plain and packed) switch between AVX-512 and AMX kernels by
 row count: 21 of 256 rows of a padded single row differed from the same row in the batch on a
@@ -92,6 +93,7 @@ def test_packed_bf16_product_has_the_plain_products_bits(monkeypatch):
     """PyTorch's packing only saves oneDNN re-blocking the weight on each call: same kernel,
     same bits."""
     monkeypatch.setenv("SPECSERVE_ONEDNN", "0")
+    monkeypatch.setenv("SPECSERVE_PANEL_LINEAR", "0")
     x, w = _activations(torch.bfloat16, rows=40)
     assert torch.equal(linear(x, None, packed=_packed_or_skip(w)), linear(x, w))
 

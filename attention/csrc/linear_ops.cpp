@@ -1,0 +1,197 @@
+// y = x W^T (+ b) for bfloat16 weights on CPUs whose oneDNN has no native bf16 product (AVX2
+// with FMA and no AVX512_BF16): PyTorch then converts the weight on every call and runs
+// float32 kernels, slower than float32 itself from a few rows on. Here the weight is packed
+// once into panels of 16 output columns, read as bf16 (half the bytes of float32: one-row
+// decoding is bound by how fast the weights stream from memory) and widened in registers.
+//
+// Every output element is one chain of fused multiply-adds over the input dimension in order,
+// starting from zero, then the bias added and the sum rounded to bf16 (to nearest, ties to
+// even). Nothing in that chain depends on how many rows the call has, which rows are tiled
+// together or how the columns are split between threads: a row comes out bitwise the same
+// however it is batched, which is what lets a token verified among drafts be scored exactly as
+// it would be decoded alone.
+
+#include "cpu_common.h"
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kCols = 16;   // output columns per panel
+constexpr int64_t kRowTile = 6;  // rows per register tile (12 accumulators + 2 weights + 1)
+constexpr int64_t kRowChunk = 48;  // rows whose activations stay in L2 while panels pass by
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kAvailable = true;
+
+inline __m256 widen(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// float -> bf16 bits, round to nearest even (NaN kept quiet), as c10::BFloat16 rounds
+inline __m128i narrow(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // lanes 0-3, 0-3, 4-7, 4-7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// Rows [0, MR) of x (stride ldx) times NB consecutive panels (each [K][16] bf16, panel stride
+// K*16) into acc [MR][NB*16].
+template <int MR, int NB>
+inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, float* acc) {
+  __m256 a[MR][2 * NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) a[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[2 * NB];
+    for (int b = 0; b < NB; ++b) {
+      const uint16_t* p = w + b * K * kCols + k * kCols;
+      wv[2 * b] = widen(p);
+      wv[2 * b + 1] = widen(p + 8);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      for (int j = 0; j < 2 * NB; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc + r * NB * kCols + j * 8, a[r][j]);
+}
+#else
+constexpr bool kAvailable = false;
+template <int MR, int NB>
+inline void tile(const float*, int64_t, const uint16_t*, int64_t, float*) {}
+#endif
+
+// acc rows [MR][NB*16] for columns n0.. of y (width N) plus bias, rounded to bf16
+template <int MR, int NB>
+inline void store(const float* acc, const float* bias, uint16_t* y, int64_t ldy, int64_t n0,
+                  int64_t N) {
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t c = 0; c < NB * kCols; c += 8) {
+      const int64_t n = n0 + c;
+      if (n >= N) break;
+      float v[8];
+      std::memcpy(v, acc + r * NB * kCols + c, sizeof(v));
+      if (bias != nullptr)
+        for (int l = 0; l < 8 && n + l < N; ++l) v[l] = v[l] + bias[n + l];
+#if defined(__AVX2__) && defined(__FMA__)
+      uint16_t out[8];
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), narrow(_mm256_loadu_ps(v)));
+#else
+      uint16_t out[8] = {};
+#endif
+      std::memcpy(y + r * ldy + n, out, sizeof(uint16_t) * std::min<int64_t>(8, N - n));
+    }
+  }
+}
+
+template <int MR, int NB>
+inline void run_tile(const float* x, int64_t K, const uint16_t* panels, int64_t panel,
+                     const float* bias, uint16_t* y, int64_t N) {
+  alignas(32) float acc[MR * NB * kCols];
+  tile<MR, NB>(x, K, panels + panel * K * kCols, K, acc);
+  store<MR, NB>(acc, bias, y, N, panel * kCols, N);
+}
+
+// rows [m, m + mr) of one panel, mr in 1..kRowTile
+inline void run_rows(const float* x, int64_t mr, int64_t K, const uint16_t* panels,
+                     int64_t panel, const float* bias, uint16_t* y, int64_t N) {
+  switch (mr) {
+    case 1: run_tile<1, 1>(x, K, panels, panel, bias, y, N); break;
+    case 2: run_tile<2, 1>(x, K, panels, panel, bias, y, N); break;
+    case 3: run_tile<3, 1>(x, K, panels, panel, bias, y, N); break;
+    case 4: run_tile<4, 1>(x, K, panels, panel, bias, y, N); break;
+    case 5: run_tile<5, 1>(x, K, panels, panel, bias, y, N); break;
+    default: run_tile<6, 1>(x, K, panels, panel, bias, y, N); break;
+  }
+}
+
+}  // namespace
+
+bool bf16_linear_available() { return kAvailable; }
+
+// weight [N, K] bf16 -> panels [ceil(N/16), K, 16] bf16 (columns past N zero)
+torch::Tensor bf16_linear_pack(torch::Tensor weight) {
+  TORCH_CHECK(kAvailable, "bf16_linear_pack: built without AVX2 and FMA");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 &&
+                  weight.scalar_type() == at::kBFloat16,
+              "bf16_linear_pack: weight must be a 2-D bfloat16 CPU tensor");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t panels = (N + kCols - 1) / kCols;
+  auto padded = torch::zeros({panels * kCols, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({panels, kCols, K}).transpose(1, 2).contiguous();
+}
+
+// x [..., K] bf16 times the packed weight of N outputs, plus bias [N] (bf16): [..., N] bf16
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+                          std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(kAvailable, "bf16_linear: built without AVX2 and FMA");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16,
+              "bf16_linear: x must be a bfloat16 CPU tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16 && packed.size(0) * kCols >= N &&
+                  packed.size(0) * kCols < N + kCols,
+              "bf16_linear: packed must come from bf16_linear_pack for ", N, " outputs");
+  const int64_t K = packed.size(1);
+  TORCH_CHECK(x.size(-1) == K, "bf16_linear: x has ", x.size(-1), " inputs, the weight ", K);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  const int64_t M = x.numel() / K;
+  if (M == 0) return y;
+  // the activations widened once (exact), so the tiles broadcast floats
+  auto xf = x.contiguous().view({M, K}).to(at::kFloat);
+  std::optional<torch::Tensor> bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bf16_linear: bias must have ", N, " elements");
+    bf = bias->contiguous().to(at::kFloat);
+  }
+  const float* xp = xf.data_ptr<float>();
+  const float* bp = bf.has_value() ? bf->data_ptr<float>() : nullptr;
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t panels = packed.size(0);
+  // one-row and two-row calls stream the weights: three or two panels a tile keep six or
+  // eight multiply-add chains in flight; larger calls take six rows a tile, one panel each
+  const int64_t group = M == 1 ? 3 : M == 2 ? 2 : 1;
+  const int64_t groups = (panels + group - 1) / group;
+  const int64_t per_panel = M * K * kCols;  // multiply-adds of one panel
+  const int64_t grain_groups = std::max<int64_t>(1, (int64_t{1} << 17) / (per_panel * group));
+  at::parallel_for(0, groups, grain_groups, [&](int64_t g0, int64_t g1) {
+    for (int64_t c0 = 0; c0 < M; c0 += kRowChunk) {
+      const int64_t c1 = std::min(M, c0 + kRowChunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * group, p1 = std::min(panels, p0 + group);
+        // the chunk's rows in tiles of as even a size as six allows (eight rows as 4 + 4, not
+        // 6 + 2: a two-row tile's four chains would wait on each multiply-add's latency)
+        const int64_t tiles = (c1 - c0 + kRowTile - 1) / kRowTile;
+        for (int64_t t = 0, m = c0; t < tiles; ++t) {
+          const int64_t mr = (c1 - m + (tiles - t) - 1) / (tiles - t);
+          const float* xm = xp + m * K;
+          uint16_t* ym = yp + m * N;
+          m += mr;
+          if (p1 - p0 == 3 && mr == 1) {
+            run_tile<1, 3>(xm, K, wp, p0, bp, ym, N);
+          } else if (p1 - p0 == 2 && mr == 1) {
+            run_tile<1, 2>(xm, K, wp, p0, bp, ym, N);
+          } else if (p1 - p0 == 2 && mr == 2) {
+            run_tile<2, 2>(xm, K, wp, p0, bp, ym, N);
+          } else {
+            for (int64_t p = p0; p < p1; ++p) run_rows(xm, mr, K, wp, p, bp, ym, N);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
