@@ -62,6 +62,74 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char*
               what, ": weight must be a contiguous [hidden] tensor of x's dtype");
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Eight lanes of the scalar loop below with the same IEEE operations in the same order (no
+// fused multiply-add; the exponent's integer is exact), so the bits agree with it: GCC left
+// that loop scalar with AVX2 (24 us a [1, 3072] row, a fifth of a one-row step's layer work
+// and more with every verified draft); this runs it about 8x faster.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 round8(__m256 v, float) { return v; }
+inline __m256 round8(__m256 v, c10::BFloat16) {  // to bf16 and back, as round_to rounds
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(
+      _mm256_set1_epi32(0x7FC00000)), nan);
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(c10::BFloat16* p, __m256 v) {  // v already holds bf16 values
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m256i packed = _mm256_packus_epi32(r, r);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+inline __m256 exp_nonpos8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  x = _mm256_blendv_ps(x, lo, _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  const __m256 shifter = _mm256_set1_ps(12582912.0f);
+  const __m256 t = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), shifter);
+  const __m256 n = _mm256_sub_ps(t, shifter);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+  __m256 p = _mm256_set1_ps(1.9841270e-4f);
+  for (const float c : {1.3888889e-3f, 8.3333333e-3f, 4.1666667e-2f, 1.6666667e-1f, 0.5f, 1.0f,
+                        1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+// the first I - I % 8 outputs of one row; returns how many it did
+template <typename T>
+inline int64_t silu_mul8(const T* g, const T* u, T* o, int64_t I) {
+  const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 x = load8(g + i);
+    const __m256 neg = _mm256_cmp_ps(x, zero, _CMP_LT_OQ);
+    const __m256 e = exp_nonpos8(_mm256_blendv_ps(_mm256_xor_ps(x, sign), x, neg));
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+    const __m256 s = round8(_mm256_mul_ps(x, sig), T{});
+    store8(o + i, round8(_mm256_mul_ps(s, load8(u + i)), T{}));
+  }
+  return i;
+}
+template <>
+inline int64_t silu_mul8<c10::Half>(const c10::Half*, const c10::Half*, c10::Half*, int64_t) {
+  return 0;
+}
+#else
+template <typename T>
+inline int64_t silu_mul8(const T*, const T*, T*, int64_t) { return 0; }
+#endif
+
 }  // namespace
 
 // RMSNorm over the last dim of a contiguous x [..., H]: weight * round(x / rms(x)).
@@ -139,7 +207,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         const T* g = gp + r * 2 * I;
         const T* u = g + I;
         T* o = op + r * I;
-        for (int64_t i = 0; i < I; ++i) {
+        for (int64_t i = silu_mul8(g, u, o, I); i < I; ++i) {
           const float x = to_float(g[i]);
           const float e = exp_nonpos(x < 0.0f ? x : -x);
           const float sig = (x < 0.0f ? e : 1.0f) / (1.0f + e);  // one division, either side

@@ -66,6 +66,23 @@ def test_add_rms_norm_rounds_the_sum_like_pytorch(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @torch.inference_mode()
+def test_silu_mul_vector_lanes_round_as_the_scalar_tail(dtype) -> None:
+    """Rows of 9: the first 8 outputs take the 8-lane path where the build has one (AVX2 without
+    AVX-512), the ninth the scalar loop; every value must come out with the same bits either
+    way, extremes, zeros of both signs, infinities and NaN included."""
+    torch.manual_seed(3)
+    special = torch.tensor([-100.0, -87.5, -87.0, -0.0, 0.0, 1e-30, -1e-30, 90.0, 88.7,
+                            float("inf"), float("-inf"), float("nan")])
+    gate = torch.cat([special, torch.randn(200) * 8])
+    up = torch.cat([torch.ones(len(special)), torch.randn(200) * 3])
+    gate_up = torch.cat([gate[:, None].expand(-1, 9), up[:, None].expand(-1, 9)], dim=1)
+    out = cpu_kernel.load().silu_mul(gate_up.to(dtype).contiguous())
+    bits = out.view(torch.int16 if out.element_size() == 2 else torch.int32)
+    assert torch.equal(bits[:, :8], bits[:, 8:].expand(-1, 8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
 def test_silu_mul_matches_pytorch(dtype) -> None:
     torch.manual_seed(2)
     mlp = SwiGLU(64, 96).to(dtype)
