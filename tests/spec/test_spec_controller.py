@@ -536,3 +536,25 @@ def test_a_gain_within_the_models_error_is_not_taken():
     assert all(d.k == 0 for d in controller(0.02, 0.0, 0.0).plan(decode(2)))
     assert all(d.k > 0 for d in controller(0.04, 0.0, 0.0).plan(decode(2)))
     assert all(d.k > 0 for d in controller(0.02, 0.0, 0.0, min_gain=1.0).plan(decode(2)))
+
+
+def test_probes_remeasure_small_blocks_a_calibration_over_priced():
+    """One stream whose startup calibration priced its 2- and 4-token blocks 45% high (a slow
+    moment at startup; large blocks priced right): one draft pays (+11% a step for 0.48 tokens
+    more), but at that price nothing does, and probes that verify whole blocks only measure the
+    large ones, which are right. Every other probe verifies a single draft, so the smallest
+    block is measured too, and drafting starts."""
+    truth = cost_model(per_token=0.0016, draft=0.0022, base=0.014)
+    believed = cost_model(per_token=0.0016, draft=0.0022, base=0.014)
+    for j, t in enumerate(believed.tokens):
+        if t in (2, 4):
+            believed.table[0][j] *= 1.45
+    ctl = SpecController(K, AcceptanceModel(K, [0.48] * K), believed, SpecDecodingStats(K))
+    assert not any(d.draft for d in ctl.plan(decode(1, available=0)))  # over-priced: none
+    steps = _serve(ctl, truth, 1, 0.48, 1500)
+    # the one-draft block re-measured (it stayed 45% high with whole-block probes only)
+    assert ctl.cost.step_time(1, 2) == pytest.approx(truth.step_time(1, 2), rel=0.05)
+    # and drafting done: 241 verifying steps here, 11 (the probes) without; 787 for a model
+    # priced right from the start (one request whose own acceptance estimate, at 0.48, now and
+    # then falls below what pays and waits for a probe)
+    assert sum(1 for v, _ in steps if v) >= 150
