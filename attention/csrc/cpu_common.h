@@ -11,7 +11,7 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -130,6 +130,27 @@ inline v16 fmadd(float s, v16 v, v16 a) {
   store16(y, a);
   for (int l = 0; l < 16; ++l) y[l] = std::fma(s, x[l], y[l]);
   return load16(y);
+}
+#endif
+
+#if defined(__AVX2__)
+// eight bf16 values (16 bytes at p) as floats, exactly
+inline __m256 widen_bf16x8(const void* p) {
+  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// eight floats as bf16 bits, rounded to nearest even (NaN kept quiet as 0x7FC0), as
+// c10::BFloat16 rounds; a value already in bf16 comes back unchanged
+inline __m128i narrow_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // lanes 0-3, 0-3, 4-7, 4-7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 #endif
 

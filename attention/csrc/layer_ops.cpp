@@ -68,26 +68,14 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char*
 // that loop scalar with AVX2 (24 us a [1, 3072] row, a fifth of a one-row step's layer work
 // and more with every verified draft); this runs it about 8x faster.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+inline __m256 load8(const c10::BFloat16* p) { return widen_bf16x8(p); }
 inline __m256 round8(__m256 v, float) { return v; }
 inline __m256 round8(__m256 v, c10::BFloat16) {  // to bf16 and back, as round_to rounds
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(
-      _mm256_set1_epi32(0x7FC00000)), nan);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow_bf16x8(v)), 16));
 }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(c10::BFloat16* p, __m256 v) {  // v already holds bf16 values
-  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-  const __m256i packed = _mm256_packus_epi32(r, r);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                   _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow_bf16x8(v));
 }
 inline __m256 exp_nonpos8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);

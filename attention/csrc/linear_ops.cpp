@@ -15,8 +15,6 @@
 
 #include <ATen/Parallel.h>
 
-#include <vector>
-
 namespace {
 
 constexpr int64_t kCols = 16;   // output columns per panel
@@ -25,23 +23,6 @@ constexpr int64_t kRowChunk = 48;  // rows whose activations stay in L2 while pa
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kAvailable = true;
-
-inline __m256 widen(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// float -> bf16 bits, round to nearest even (NaN kept quiet), as c10::BFloat16 rounds
-inline __m128i narrow(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-  const __m256i packed = _mm256_packus_epi32(r, r);  // lanes 0-3, 0-3, 4-7, 4-7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
-}
 
 // Rows [0, MR) of x (stride ldx) times NB consecutive panels (each [K][16] bf16, panel stride
 // K*16) into acc [MR][NB*16].
@@ -54,8 +35,8 @@ inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, floa
     __m256 wv[2 * NB];
     for (int b = 0; b < NB; ++b) {
       const uint16_t* p = w + b * K * kCols + k * kCols;
-      wv[2 * b] = widen(p);
-      wv[2 * b + 1] = widen(p + 8);
+      wv[2 * b] = widen_bf16x8(p);
+      wv[2 * b + 1] = widen_bf16x8(p + 8);
     }
     for (int r = 0; r < MR; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
@@ -65,12 +46,6 @@ inline void tile(const float* x, int64_t ldx, const uint16_t* w, int64_t K, floa
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 2 * NB; ++j) _mm256_storeu_ps(acc + r * NB * kCols + j * 8, a[r][j]);
 }
-#else
-constexpr bool kAvailable = false;
-template <int MR, int NB>
-inline void tile(const float*, int64_t, const uint16_t*, int64_t, float*) {}
-#endif
-
 // acc rows [MR][NB*16] for columns n0.. of y (width N) plus bias, rounded to bf16
 template <int MR, int NB>
 inline void store(const float* acc, const float* bias, uint16_t* y, int64_t ldy, int64_t n0,
@@ -83,12 +58,8 @@ inline void store(const float* acc, const float* bias, uint16_t* y, int64_t ldy,
       std::memcpy(v, acc + r * NB * kCols + c, sizeof(v));
       if (bias != nullptr)
         for (int l = 0; l < 8 && n + l < N; ++l) v[l] = v[l] + bias[n + l];
-#if defined(__AVX2__) && defined(__FMA__)
       uint16_t out[8];
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), narrow(_mm256_loadu_ps(v)));
-#else
-      uint16_t out[8] = {};
-#endif
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), narrow_bf16x8(_mm256_loadu_ps(v)));
       std::memcpy(y + r * ldy + n, out, sizeof(uint16_t) * std::min<int64_t>(8, N - n));
     }
   }
@@ -114,6 +85,10 @@ inline void run_rows(const float* x, int64_t mr, int64_t K, const uint16_t* pane
     default: run_tile<6, 1>(x, K, panels, panel, bias, y, N); break;
   }
 }
+
+#else
+constexpr bool kAvailable = false;
+#endif
 
 }  // namespace
 
@@ -149,6 +124,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto y = torch::empty(sizes, x.options());
   const int64_t M = x.numel() / K;
   if (M == 0) return y;
+#if defined(__AVX2__) && defined(__FMA__)
   // the activations widened once (exact), so the tiles broadcast floats
   auto xf = x.contiguous().view({M, K}).to(at::kFloat);
   std::optional<torch::Tensor> bf;
@@ -193,5 +169,6 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
       }
     }
   });
+#endif
   return y;
 }
