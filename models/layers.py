@@ -226,6 +226,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.max_positions = max_positions
+        # the tables rounded to a model dtype, made on first use (rounding whole tables gives
+        # every row the bits of rounding it alone, one op per lookup fewer)
+        self._rounded: dict[torch.dtype, Rope] = {}
 
     def _apply(self, fn, recurse=True):
         tables = {name: self._buffers[name] for name in ("cos", "sin")}
@@ -234,6 +237,7 @@ class RotaryEmbedding(nn.Module):
             moved = self._buffers[name]
             if moved.dtype != table.dtype:  # a cast: keep float32 on the new device
                 self._buffers[name] = table.to(moved.device)
+        self._rounded = {}
         return self
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
@@ -241,7 +245,12 @@ class RotaryEmbedding(nn.Module):
 
         Computed once per forward pass and shared by every layer; ``sin``'s first half is
         negated, as :func:`apply_rotary` expects."""
-        return (self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :])
+        tables = self._rounded.get(dtype)
+        if tables is None:
+            tables = self._rounded[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        cos, sin = tables
+        positions = positions.to(cos.device)  # (a no-op where they are already there)
+        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]

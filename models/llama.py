@@ -107,9 +107,9 @@ class Attention(nn.Module):
     def qkv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q ``[N, Hq, D]``, K and V ``[N, Hkv, D]`` of ``x`` (q/k norm and RoPE applied).
 
-        Without q/k norms, Q and K are adjacent heads of the projection and get RoPE in one
-        pass (the same elementwise operations on the same values as two passes: same bits);
-        the results are views, Q strided between rows."""
+        On the CPU, Q and K (adjacent heads of the projection) get their q/k norms, if any,
+        and RoPE in one compiled pass (the same operations on the same values as the PyTorch
+        ops below: the same bits), Q and K contiguous; V is a view."""
         n = x.shape[0]
         heads = self.qkv_proj(x).view(n, -1, self.head_dim)
         nq, nk = self.num_heads, self.num_kv_heads
@@ -120,6 +120,11 @@ class Attention(nn.Module):
                 return q, k, heads[:, nq + nk :]
             qk = apply_rotary(heads[:, : nq + nk], *rope)
             return qk[:, :nq], qk[:, nq:], heads[:, nq + nk :]
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        ops = cpu_ops(heads, *rope, qw, kw)
+        if ops is not None:  # norms and RoPE in one pass (the same bits as the ops below)
+            q, k = ops.rope_qk(heads, *rope, nq, nk, qw, kw, self.q_norm.eps)
+            return q, k, heads[:, nq + nk :]
         q, k, v = heads.split([nq, nk, nk], dim=1)
         q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v
@@ -138,11 +143,16 @@ class Attention(nn.Module):
             kv = linear(x, None, b, packed=self.kv_packed, min_rows=proj.min_rows)
         else:
             kv = linear(x, proj.weight[self.q_size :], b)
-        k, v = kv.split(self.kv_size, dim=-1)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rotary(k, *rope), v.view(n, self.num_kv_heads, self.head_dim)
+        nk, norm = self.num_kv_heads, self.k_norm
+        heads = kv.view(n, 2 * nk, self.head_dim)
+        weights = () if norm is None else (norm.weight,)
+        ops = cpu_ops(heads, *rope, *weights)
+        if ops is not None:  # (the k norm and) RoPE in one pass, as in qkv
+            _, k = ops.rope_qk(heads, *rope, 0, nk, None, *weights or (None,),
+                               0.0 if norm is None else norm.eps)
+            return k, heads[:, nk:]
+        k = heads[:, :nk] if norm is None else norm(heads[:, :nk])
+        return apply_rotary(k, *rope), heads[:, nk:]
 
     def forward(
         self, rope: Rope, x: torch.Tensor, meta: AttentionMetadata, kv: LayerKV

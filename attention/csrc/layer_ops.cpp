@@ -14,7 +14,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -211,9 +213,15 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // projection's output: queries, then keys): returns Q [N, nq, D] and K [N, nk, D], contiguous.
 // cos/sin [N, D] (any shape of N * D elements) in qkv's dtype, sin's first half negated as
 // ``RotaryEmbedding.lookup`` gives it: out = x * cos + swap_halves(x) * sin with each product
-// and the sum rounded to the dtype, as those three PyTorch ops would round them.
+// and the sum rounded to the dtype, as those three PyTorch ops would round them. With
+// ``q_weight`` / ``k_weight`` ([D], Qwen3's q/k norms) each query / key head is first
+// RMS-normalised as ``rms_norm`` does it (rounded to the dtype), so the result has the bits of
+// the norm followed by the rotation.
 std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos,
-                                                 torch::Tensor sin, int64_t nq, int64_t nk) {
+                                                 torch::Tensor sin, int64_t nq, int64_t nk,
+                                                 std::optional<torch::Tensor> q_weight,
+                                                 std::optional<torch::Tensor> k_weight,
+                                                 double eps) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 3 && qkv.stride(2) == 1 &&
                   qkv.stride(1) == qkv.size(2),
               "rope_qk: qkv must be a CPU [N, heads, D] tensor with contiguous heads");
@@ -225,6 +233,10 @@ std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tenso
                   cos.is_contiguous() && sin.is_contiguous() && cos.numel() == N * D &&
                   sin.numel() == N * D,
               "rope_qk: cos and sin must be contiguous, N * D elements, of qkv's dtype");
+  for (const auto* w : {&q_weight, &k_weight})
+    TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == qkv.scalar_type() &&
+                                    (*w)->is_contiguous() && (*w)->numel() == D),
+                "rope_qk: q_weight and k_weight must be contiguous [D] tensors of qkv's dtype");
   auto q = torch::empty({N, nq, D}, qkv.options());
   auto k = torch::empty({N, nk, D}, qkv.options());
   const int64_t row_stride = qkv.stride(0);
@@ -233,15 +245,25 @@ std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tenso
     const T* xp = qkv.data_ptr<T>();
     const T* cp = cos.data_ptr<T>();
     const T* sp = sin.data_ptr<T>();
+    const T* qw = q_weight.has_value() ? q_weight->data_ptr<T>() : nullptr;
+    const T* kw = k_weight.has_value() ? k_weight->data_ptr<T>() : nullptr;
     T* qp = q.data_ptr<T>();
     T* kp = k.data_ptr<T>();
     at::parallel_for(0, N, grain((nq + nk) * D), [&](int64_t n0, int64_t n1) {
+      std::vector<float> v(D);
+      std::vector<T> normed(D);
       for (int64_t n = n0; n < n1; ++n) {
         const T* c = cp + n * D;
         const T* s = sp + n * D;
         for (int64_t h = 0; h < nq + nk; ++h) {
           const T* x = xp + n * row_stride + h * D;
           T* o = h < nq ? qp + (n * nq + h) * D : kp + (n * nk + h - nq) * D;
+          const T* w = h < nq ? qw : kw;
+          if (w != nullptr) {
+            for (int64_t d = 0; d < D; ++d) v[d] = to_float(x[d]);
+            norm_row(v.data(), w, normed.data(), D, static_cast<float>(eps));
+            x = normed.data();
+          }
           for (int64_t d = 0; d < half; ++d)
             o[d] = round_to<T>(to_float(round_to<T>(to_float(x[d]) * to_float(c[d]))) +
                                to_float(round_to<T>(to_float(x[d + half]) * to_float(s[d]))));

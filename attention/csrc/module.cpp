@@ -15,7 +15,10 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
                                                       torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos,
-                                                 torch::Tensor sin, int64_t nq, int64_t nk);
+                                                 torch::Tensor sin, int64_t nq, int64_t nk,
+                                                 std::optional<torch::Tensor> q_weight,
+                                                 std::optional<torch::Tensor> k_weight,
+                                                 double eps);
 void store_kv(torch::Tensor cache, torch::Tensor k, torch::Tensor v, torch::Tensor blocks,
               torch::Tensor offsets);
 torch::Tensor argmax_rows(torch::Tensor x);
@@ -33,7 +36,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "(RMSNorm(residual + x), residual + x) (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of [gate | up] (CPU)");
-  m.def("rope_qk", &rope_qk, "Rotary embedding of the query and key heads of a QKV row (CPU)");
+  m.def("rope_qk", &rope_qk,
+        "Rotary embedding of the query and key heads of a QKV row, optionally RMS-normed (CPU)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("nq"), py::arg("nk"),
+        py::arg("q_weight") = py::none(), py::arg("k_weight") = py::none(),
+        py::arg("eps") = 0.0);
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1), vectorized (CPU)");
   m.def("bf16_linear_available", &bf16_linear_available,
         "Whether bf16_linear was built (AVX2 and FMA)");

@@ -184,3 +184,30 @@ def test_rope_qk_has_the_bits_of_apply_rotary(dtype) -> None:
     assert torch.equal(k, apply_rotary(heads[:, nq : nq + nk], cos, sin))
     with pytest.raises(RuntimeError, match="rope_qk"):
         cpu_kernel.load().rope_qk(heads, cos, sin, nq, 2 * nk + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@torch.inference_mode()
+def test_rope_qk_with_norms_has_the_bits_of_norm_then_rotary(dtype) -> None:
+    """Qwen3's q/k RMSNorms fused before the rotation: the bits of ``RMSNorm`` and then
+    ``apply_rotary``, for queries and keys alike, and for the keys alone (nq = 0)."""
+    from models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(6)
+    nq, nk, d = 9, 3, 64
+    rotary = RotaryEmbedding(d, 4096, 10000.0, None)
+    cos, sin = rotary.lookup(torch.tensor([0, 5, 17, 300, 4095]), dtype)
+    heads = (torch.randn(5, nq + 2 * nk, d) * 4).to(dtype)
+    q_norm, k_norm = RMSNorm(d, 1e-6).to(dtype), RMSNorm(d, 1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(d) + 0.5)
+        k_norm.weight.copy_(torch.rand(d) + 0.5)
+    ops = cpu_kernel.load()
+    q, k = ops.rope_qk(heads, cos, sin, nq, nk, q_norm.weight, k_norm.weight, 1e-6)
+    assert torch.equal(q, apply_rotary(q_norm(heads[:, :nq].contiguous()), cos, sin))
+    assert torch.equal(k, apply_rotary(k_norm(heads[:, nq:nq + nk].contiguous()), cos, sin))
+    kv = heads[:, nq:].contiguous()
+    none, k_only = ops.rope_qk(kv, cos, sin, 0, nk, None, k_norm.weight, 1e-6)
+    assert none.numel() == 0 and torch.equal(k_only, k)
+    with pytest.raises(RuntimeError, match="rope_qk"):
+        ops.rope_qk(heads, cos, sin, nq, nk, q_norm.weight[:8], k_norm.weight, 1e-6)
