@@ -97,7 +97,11 @@ def instrument(llm) -> tuple[dict[str, float], dict[str, int]]:
         wrap(eng.proposer, "propose", "propose")
         wrap(eng.proposer, "_write_context", "draft_context")
         wrap(eng.proposer, "_block_pass", "draft_block")
-        wrap(eng.proposer, "choose", "draft_choose")
+        wrap(eng.proposer, "_rows_pass", "draft_block")  # a block's drafted slots alone
+        # DFlash picks drafts in choose_rows (its choose reads a whole block through it); a
+        # DFlash2 selector in choose
+        wrap(eng.proposer, "choose_rows" if eng.proposer.trims_blocks else "choose",
+             "draft_choose")
     return totals, calls
 
 

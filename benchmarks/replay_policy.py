@@ -112,15 +112,16 @@ def replay(traces: list[list[int]], policy: str, *, k_max: int, step_ms: list[fl
         # the prefill's step sampled the first response token (position 0) and drafted from
         # it or not; each later step verifies what the one before drafted
         end, pos = len(accepted), 0
-        held = k_max if (fixed or ctl is not None and ctl.fresh_request_drafts(1)) else 0
+        held = k_max if fixed else ctl.fresh_request_drafts(1) if ctl is not None else 0
         state = ctl.acceptance.new_request() if ctl is not None else None
         while pos < end:
             cap = min(k_max, end - 1 - pos)  # tokens past this anchor, less the target's own
             if ctl is not None:
                 decision = ctl.plan([Candidate(state, held, cap, 1)])[0]
-                k, drafts = decision.k, decision.draft
+                k, made = decision.k, decision.draft
             else:
-                k, drafts = min(fixed, held, cap), fixed > 0
+                k, made = min(fixed, held, cap), k_max if fixed else 0
+            drafts = made > 0
             gained = min(k, accepted[pos])
             draft_s = draft_ms / 1e3 * jitter() if drafts else 0.0
             step_s = step_ms[k] / 1e3 * jitter() + draft_s
@@ -130,7 +131,7 @@ def replay(traces: list[list[int]], policy: str, *, k_max: int, step_ms: list[fl
                 ctl.observe_step(1, 1 + k, int(drafts), step_s, verified=k, expected=expected,
                                  produced=1 + gained, draft_seconds=draft_s)
             by_k[k] += 1
-            held = k_max if drafts else 0
+            held = made  # the drafts made for the next step
             tokens += 1 + gained
             seconds += step_s
             pos += 1 + gained

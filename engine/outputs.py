@@ -45,7 +45,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens run through the target this step (spec tokens included)
     spec_token_ids: list[int]  # draft tokens being verified (the tail of the scheduled tokens)
-    draft: bool = False  # propose drafts for the next step (if a token is sampled)
+    draft: int = 0  # drafts to propose for the next step, if a token is sampled (0: none)
     # a tree of drafts (engine.spec.tree): spec_parents[j - 1] is the window row of draft j's
     # parent (0: the last known token); None: a chain, each draft's parent the one before it
     spec_parents: list[int] | None = None

@@ -203,5 +203,5 @@ class ModelRunner:
             num_valid=item.num_valid(result.num_accepted.get(rid, 0)),
             row=row_of[rid],
             sampled=result.sampled.get(rid, []),
-            wants_draft=item.draft,
+            num_drafts=item.draft,
         )

@@ -169,7 +169,8 @@ class Scheduler:
         ctl = self.controller
         expected, produced, decoding = 0.0, 0, 0  # what speculation promised and delivered
         if ctl is not None:
-            drafted = sum(1 for item in plan.scheduled if item.draft and item.samples)
+            drafting = [item.draft for item in plan.scheduled if item.draft and item.samples]
+            drafted, slots = len(drafting), sum(ctl.draft_slots(n) for n in drafting)
             verified = sum(len(item.spec_token_ids) for item in plan.scheduled)
         for item in plan.scheduled:
             req = item.request
@@ -198,7 +199,7 @@ class Scheduler:
             # request) are what the controller chooses between
             whole = decoding == len(plan.scheduled)
             ctl.observe_step(len(plan.scheduled), plan.num_tokens, drafted, result.elapsed,
-                             draft_seconds=result.draft_elapsed,
+                             draft_seconds=result.draft_elapsed, drafted_slots=slots,
                              verified=verified, expected=expected if whole else None,
                              produced=produced if whole else None)
         return appended
@@ -225,18 +226,18 @@ class Scheduler:
 
 
 class _FreshDrafts:
-    """Whether a request sampling for the first time this step (the end of its prefill)
-    drafts: asked of the controller at most once per step, and only when such a request is
+    """The drafts a request sampling for the first time this step (the end of its prefill)
+    makes (0: none): asked of the controller at most once per step, and only when such a request is
     scheduled (most steps under load have none; the question prices a whole batch)."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
-        self.answer: bool | None = None
+        self.answer: int | None = None
 
-    def __call__(self, req: Request, num_new: int) -> bool:
+    def __call__(self, req: Request, num_new: int) -> int:
         ctl = self.sched.controller
         if ctl is None or req.num_computed_tokens + num_new < req.num_tokens:
-            return False  # no controller, or a prefill chunk that samples nothing
+            return 0  # no controller, or a prefill chunk that samples nothing
         if self.answer is None:
             # judged at the batch the request joins: when a wave arrives at once, the first
             # admitted must not draft as if alone (a draft pass and context writes for the

@@ -165,6 +165,19 @@ def refinement_inputs(logits: torch.Tensor, masks: torch.Tensor, vocab_ids: torc
     return fill
 
 
+@dataclass(frozen=True)
+class BlockRows:
+    """The rows of the packed query blocks a pass returns (``DFlashDraftModel.forward``):
+    the last layer writes every row's K/V but runs the queries, output projection and MLP of
+    these rows alone, so a proposer that needs the states of a block's first few drafts does not
+    pay for the rest (each kept row's state is bitwise the whole pass's where attention is
+    query-length invariant, as the CPU paged kernel is)."""
+
+    index: torch.Tensor  # [M] long: the kept rows of the packed blocks
+    meta: AttentionMetadata  # attention of the kept rows alone (non-causal, the same K/V)
+    slots: SlotIndex  # the slot of every block row
+
+
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     """Evenly spaced taps from layer 1 to ``num_target_layers - 3`` (one tap: the middle)."""
     if num_taps == 1:
@@ -235,16 +248,23 @@ class DFlashDraftModel(nn.Module):
         self,
         block_embeds: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | None,
         kv_caches: Sequence[LayerKV],
         block_len: int | None = None,
+        rows: BlockRows | None = None,
     ) -> torch.Tensor:
-        """Run query blocks (non-causal metadata) and return the final-normed states.
-        ``block_len`` (the positions per block) is only needed by DFlash2 drafts."""
+        """Run query blocks (non-causal metadata) and return the final-normed states, of every
+        block row or, with ``rows``, of those rows alone (``meta`` then serves the layers before
+        the last, and a one-layer draft needs none). ``block_len`` (the positions per block) is
+        only needed by DFlash2 drafts."""
         h = block_embeds
         rope = self.rotary.lookup(positions, h.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        last = len(self.layers) - 1 if rows is not None else len(self.layers)
+        for layer, kv in zip(self.layers[:last], kv_caches):
             h = layer(rope, h, meta, kv)
+        if rows is not None:
+            h = self.layers[last].forward_rows(rope, h, rows.index, rows.meta, rows.slots,
+                                               kv_caches[last])
         return self.norm(h)
 
     def load_weights(

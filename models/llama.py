@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from attention.backends.base import AttentionMetadata
-from attention.kv import LayerKV
+from attention.kv import LayerKV, SlotIndex, write_kv
 from models.layers import (Linear, Packed, PackedWeight, RMSNorm, Rope, RotaryEmbedding, SwiGLU,
                            apply_rotary, cpu_ops, fastest_min_rows, linear, pack_weight)
 
@@ -161,6 +161,20 @@ class Attention(nn.Module):
         out = meta.attend(q, k, v, kv, self.scale)
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
+    def forward_rows(
+        self, rope: Rope, x: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata,
+        slots: SlotIndex, kv: LayerKV,
+    ) -> torch.Tensor:
+        """:meth:`forward` for the rows ``rows`` of ``x`` alone: every row's K/V is written (at
+        ``slots``), since the kept rows attend to all of them, and only the kept rows' queries
+        attend (``meta`` describes those rows) and are projected out."""
+        q, k, v = self.qkv(rope, x)
+        write_kv(kv, k, v, slots)
+        # (``attend`` writes the kept rows' K/V once more: the same values to the same slots)
+        out = meta.attend(q.index_select(0, rows), k.index_select(0, rows),
+                          v.index_select(0, rows), kv, self.scale)
+        return self.o_proj(out.reshape(rows.shape[0], self.q_size))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: LayerSpec) -> None:
@@ -175,6 +189,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn(rope, self.input_layernorm(h), meta, kv)
         x, h = self.post_attention_layernorm.add(attn, h)
+        return h + self.mlp(x)
+
+    def forward_rows(
+        self, rope: Rope, h: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata,
+        slots: SlotIndex, kv: LayerKV,
+    ) -> torch.Tensor:
+        """The outputs of the rows ``rows`` of ``h`` alone (``Attention.forward_rows``); every
+        operation is row-wise or row-count invariant, so each is the same as :meth:`forward`'s."""
+        attn = self.self_attn.forward_rows(rope, self.input_layernorm(h), rows, meta, slots, kv)
+        x, h = self.post_attention_layernorm.add(attn, h.index_select(0, rows))
         return h + self.mlp(x)
 
 

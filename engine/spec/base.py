@@ -26,7 +26,9 @@ class ProposalItem:
     num_valid: int
     row: int
     sampled: list[int]
-    wants_draft: bool = True  # the scheduler's choice; False: update the draft context only
+    # the scheduler's choice: drafts to make for the next step (a proposer makes at most this
+    # many and may stop short of it); 0: update the draft context only
+    num_drafts: int
 
 
 class Proposer(Protocol):

@@ -3,7 +3,8 @@
 Called by the scheduler once per step with the requests that sample this step. For request
 ``i`` verifying ``k_i`` drafts, the expected tokens it gains are ``1 + g_i1 + ... + g_ik``
 (``g_ij`` = chance draft ``j`` is accepted, from the acceptance model), and the step costs
-``step_time(rows, base + sum k_i) + draft_time(#drafting)`` (from the measured cost model).
+``step_time(rows, base + sum k_i) + draft_time(#drafting, their draft slots)`` (from the
+measured cost model).
 The controller maximises expected tokens per second of the whole batch: for a fixed number of
 extra query tokens ``M`` the best choice is the ``M`` largest gains (each request's gains do
 not increase with ``j``, so they are taken in order), so it evaluates every ``M`` and keeps
@@ -39,7 +40,7 @@ from engine.spec.acceptance import AcceptanceModel, DecayedRates
 from engine.spec.cost import StepCostModel
 from engine.spec.realized import RealizedGain
 from engine.spec.stats import SpecDecodingStats
-from engine.spec.tree import DraftTree
+from engine.spec.tree import DraftTree, slots_needed
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Candidate:
 @dataclass
 class Decision:
     k: int  # drafts to verify this step
-    draft: bool  # whether to propose drafts for the next step
+    draft: int  # drafts to propose for the next step (0: none; the proposer makes only these)
 
 
 class SpecController:
@@ -71,6 +72,10 @@ class SpecController:
         # drafts are the nodes of this tree, in its order (None: a chain); verifying k drafts
         # means its first k nodes, which the scheduler lays out from it
         self.tree = tree
+        # slots[n]: the draft block slots the first n drafts occupy (a proposer runs those
+        # alone, and the cost model prices a drafting request by them)
+        self.slots = slots_needed(tree, k_max)
+        self._slot_steps = np.diff(np.asarray(self.slots, float))  # per draft, in order
         self.acceptance = acceptance
         self.cost = cost
         self.realized = RealizedGain(len(cost.rows)) if cost is not None else None
@@ -139,9 +144,9 @@ class SpecController:
         if not cands:
             return []
         if self.max_batch is not None and len(cands) > self.max_batch:
-            return [Decision(0, False) for _ in cands]
+            return [Decision(0, 0) for _ in cands]
         if not self.adaptive:
-            return [Decision(min(self.k_max, c.available, c.cap), True) for c in cands]
+            return [Decision(min(self.k_max, c.available, c.cap), self.k_max) for c in cands]
         # Drafts for the next step are made where they pay with the draft pass counted; the
         # drafts held now were paid for last step, so verification leaves that cost out.
         verify = any(c.available for c in cands)
@@ -183,7 +188,8 @@ class SpecController:
         if probe:
             probed = self._probe_turn % len(cands)
             self._probe_turn += 1
-        return [Decision(min(v, c.available, c.cap), d > 0 or i == probed)
+        # a probe's request drafts the whole block (its next step may verify all of it)
+        return [Decision(min(v, c.available, c.cap), self.k_max if i == probed else d)
                 for i, (c, v, d) in enumerate(zip(cands, verify_ks, draft_ks))]
 
     def _probe_due(self, some_draft: bool) -> bool:
@@ -199,14 +205,15 @@ class SpecController:
         self._steps_to_probe = self.probe_interval
         return True
 
-    def fresh_request_drafts(self, batch_rows: int) -> bool:
-        """Whether a request entering a batch of ``batch_rows`` would draft (prior curve)."""
+    def fresh_request_drafts(self, batch_rows: int) -> int:
+        """The drafts a request entering a batch of ``batch_rows`` would make (prior curve;
+        0: it does not draft)."""
         if self.max_batch is not None and batch_rows > self.max_batch:
-            return False
+            return 0
         if not self.adaptive:
-            return True
+            return self.k_max
         c = Candidate(None, self.k_max, self.k_max, 1)
-        return self._optimal_ks([c] * max(1, batch_rows), 0, verify=False)[0][0] > 0
+        return self._optimal_ks([c] * max(1, batch_rows), 0, verify=False)[0][0]
 
     def _optimal_ks(self, cands: list[Candidate], other_tokens: int, *, verify: bool
                     ) -> tuple[list[int], list[int]]:
@@ -238,6 +245,9 @@ class SpecController:
         rank[order] = np.arange(len(order))
         first = np.zeros(len(gains) + 1)
         first[rank[starts] + 1] = 1.0
+        # the draft slots the leading extra tokens occupy in all (a request's drafts in order)
+        steps = np.broadcast_to(self._slot_steps[:table.shape[1]], table.shape)[usable]
+        slots = np.concatenate(([0.0], np.cumsum(steps[order])))
         assert self.realized is not None
         discount = self.realized.correction(cost.row_bucket(rows))
 
@@ -247,7 +257,7 @@ class SpecController:
                 return none  # within the cost model's error of a plain step: do not speculate
             return np.bincount(who[:best], minlength=rows).tolist()
 
-        drafting = best_ks(expected / (times + cost.draft_times(np.cumsum(first))))
+        drafting = best_ks(expected / (times + cost.draft_times(np.cumsum(first), slots)))
         return drafting, best_ks(expected / times) if verify else none
 
     # -- feedback ------------------------------------------------------------------------------
@@ -267,21 +277,28 @@ class SpecController:
             return 1.0  # a plain decode (most rows of most steps): no curve to evaluate
         return 1.0 + sum(self.acceptance.gains(state)[:num_verified])
 
+    def draft_slots(self, num_drafts: int) -> int:
+        """The draft block slots a request making ``num_drafts`` drafts occupies."""
+        return self.slots[max(0, min(num_drafts, self.k_max))]
+
     def observe_step(self, rows: int, tokens: int, drafted_rows: int, seconds: float, *,
                      verified: int = 0, expected: float | None = None,
-                     produced: int | None = None, draft_seconds: float = 0.0) -> None:
+                     produced: int | None = None, draft_seconds: float = 0.0,
+                     drafted_slots: int = 0) -> None:
         """One real step's wall time refines the cost model (saved now and then).
 
         ``expected``/``produced``: tokens the sampling rows were expected to produce (from
         :meth:`expected_tokens`) and did produce, given only for steps in which every row
         samples; they feed the realized-gain check. ``draft_seconds``: the part of
-        ``seconds`` the proposer took (see :meth:`StepCostModel.observe`)."""
+        ``seconds`` the proposer took, drafting ``drafted_slots`` slots in all (see
+        :meth:`StepCostModel.observe`)."""
         if self.cost is None:
             return
         exploring, self._exploring = self._exploring, False
         probe_verifying, self._probe_verifying = self._probe_verifying, False
         plain_probe, self._plain_probe = self._plain_probe, False
-        predicted = self.cost.step_time(rows, tokens) + self.cost.draft_time(drafted_rows)
+        predicted = (self.cost.step_time(rows, tokens)
+                     + self.cost.draft_time(drafted_rows, drafted_slots))
         weight = self.plain_probe_weight if probe_verifying and verified else 1.0
         if expected is not None:  # every row decodes: a step the controller chose
             b = self.cost.row_bucket(rows)
@@ -303,7 +320,8 @@ class SpecController:
             assert self.realized is not None
             self.realized.observe(self.cost.row_bucket(rows), verified > 0 or drafted_rows > 0,
                                   expected, produced, predicted, seconds)
-        self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds, weight)
+        self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds, weight,
+                          drafted_slots)
         self._steps_since_save += 1
         if self.on_refined is not None and self._steps_since_save >= self.refine_save_every:
             self._steps_since_save = 0

@@ -2,7 +2,8 @@
 
 ``step_time(rows, tokens)`` is the time of one engine step (target forward, sampling, the
 draft's context update) with ``rows`` requests and ``tokens`` query tokens in all;
-``draft_time(rows)`` is what a DFlash block pass for ``rows`` requests adds. Both come from a
+``draft_time(rows, slots)`` is what a DFlash block pass for ``rows`` requests drafting ``slots``
+block slots in all adds (one a request, plus a measured price per further slot). Both come from a
 grid measured at startup with the real runner on synthetic requests (rows 1, 4, 16, 64; total
 query tokens at powers of two and on both sides of 16, 32, 48 and 64, within a few seconds),
 interpolated in between, cached per machine and model, and refined online from the timings of
@@ -55,9 +56,17 @@ class StepCostModel:
     tokens: list[int]  # ladder of query tokens in all (a step's rows together)
     table: list[list[float]]  # seconds; table[i][j]: rows[i] rows running tokens[j] tokens
     # (below tokens == rows[i], where a line starts, its plain step's time)
-    draft: list[float]  # seconds a draft pass adds for rows[i] rows (0 without a draft model)
+    # seconds a draft pass adds for rows[i] requests drafting one slot each (0 without a draft)
+    draft: list[float]
     max_per_row: int  # the largest block a row verifies (larger steps are prefill chunks)
+    # seconds each further drafted slot (a request's next draft position) adds, at rows[i]
+    # requests: a proposer runs only the slots a request's drafts need (engine.spec.dflash)
+    draft_slot: list[float] | None = None
     smoothing: float = 0.1  # online refinement weight of one step
+
+    def __post_init__(self) -> None:
+        if self.draft_slot is None:
+            self.draft_slot = [0.0] * len(self.rows)
 
     # -- one step: pure Python, since it runs every step right after the forward pass has
     # evicted the caches, where the dozen small numpy calls of the vectorised reading took
@@ -67,13 +76,18 @@ class StepCostModel:
         return self._across_rows(rows, max(float(rows), float(tokens)),
                                  lambda i, t: self._cell(i, t, ordered))
 
-    def draft_time(self, rows: int) -> float:
-        xs, ys = self.rows, self.draft
+    def draft_time(self, rows: int, slots: int = 0) -> float:
+        """A draft pass for ``rows`` requests drafting ``slots`` slots in all (at least one
+        each: fewer count as one each)."""
+        xs = self.rows
         if rows <= 0:
             return 0.0
+        extra = max(0, slots - rows)
         if rows > xs[-1]:
-            return ys[-1] * rows / xs[-1]
-        return read_point(xs, ys, float(rows), slope=False)
+            scale = rows / xs[-1]
+            return self.draft[-1] * scale + self.draft_slot[-1] * extra
+        return (read_point(xs, self.draft, float(rows), slope=False)
+                + read_point(xs, self.draft_slot, float(rows), slope=False) * extra)
 
     def _cell(self, i: int, t: float, ordered: bool) -> float:
         line = self.table[i]
@@ -115,12 +129,16 @@ class StepCostModel:
         t0, t1 = line(i - 1, t), line(i, t)
         return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
-    def draft_times(self, rows: np.ndarray) -> np.ndarray:
-        """``draft_time(n)`` for every ``n`` in ``rows``."""
+    def draft_times(self, rows: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """``draft_time(n, s)`` for every ``n`` in ``rows`` and ``s`` in ``slots``."""
         rows = np.asarray(rows, float)
         xs, ys = np.asarray(self.rows, float), np.asarray(self.draft, float)
         out = np.interp(rows, xs, ys)
-        out[rows > xs[-1]] = ys[-1] * rows[rows > xs[-1]] / xs[-1]
+        past = rows > xs[-1]
+        out[past] = ys[-1] * rows[past] / xs[-1]
+        if slots is not None:
+            extra = np.maximum(0.0, np.asarray(slots, float) - rows)
+            out += np.interp(rows, xs, np.asarray(self.draft_slot, float)) * extra
         out[rows <= 0] = 0.0
         return out
 
@@ -144,13 +162,14 @@ class StepCostModel:
         return [(i - 1, 1.0 - w), (i, w)]
 
     def observe(self, rows: int, tokens: int, drafted_rows: int, seconds: float,
-                draft_seconds: float = 0.0, weight: float = 1.0) -> None:
+                draft_seconds: float = 0.0, weight: float = 1.0, drafted_slots: int = 0) -> None:
         """Fold one real step's wall time into the cells it was interpolated from, each in
         proportion to its interpolation weight.
 
         ``weight`` multiplies the smoothing of this one step (the controller's plain probes).
         ``draft_seconds``: the drafting part of ``seconds`` (``Proposer.draft_seconds``). It
-        refines the draft curve, and the rest refines the table like any step. (Refining
+        refines the draft curve (less the measured price of the ``drafted_slots`` beyond one
+        per request), and the rest refines the table like any step. (Refining
         the draft curve from the step's time beyond the table's prediction instead made it
         absorb every error of a table that only drafting steps visit: one stream drafting every
         step on an AVX2 CPU had the table's one-row line at 77-80 ms where its steps took 68
@@ -164,7 +183,8 @@ class StepCostModel:
         if drafted_rows > 0:
             d = self.row_bucket(drafted_rows)
             # a stall of the machine is not a trend: one step moves the curve boundedly
-            spent = min(max(0.0, draft_seconds), 2 * self.draft[d] + base)
+            extra = self.draft_time(drafted_rows, drafted_slots) - self.draft_time(drafted_rows)
+            spent = min(max(0.0, draft_seconds - extra), 2 * self.draft[d] + base)
             self.draft[d] = (1 - a) * self.draft[d] + a * spent
             seconds -= draft_seconds
             if seconds <= 0:
@@ -211,7 +231,8 @@ class StepCostModel:
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"rows": self.rows, "tokens": self.tokens, "table": self.table,
-                "draft": self.draft, "max_per_row": self.max_per_row}
+                "draft": self.draft, "max_per_row": self.max_per_row,
+                "draft_slot": self.draft_slot}
 
     @classmethod
     def from_json(cls, data: dict) -> StepCostModel:
@@ -219,16 +240,18 @@ class StepCostModel:
         tokens = [int(t) for t in data["tokens"]]
         table = [[float(t) for t in line] for line in data["table"]]
         draft = [float(t) for t in data["draft"]]
+        draft_slot = [float(t) for t in data["draft_slot"]]
         max_per_row = int(data["max_per_row"])
         ok = (rows == sorted(set(rows)) and tokens == sorted(set(tokens)) and rows
               and len(tokens) >= 2 and tokens[0] >= 1 and max_per_row >= 1
               and len(table) == len(rows) and len(draft) == len(rows)
+              and len(draft_slot) == len(rows)
               and all(len(line) == len(tokens) for line in table)
               and all(t >= 0 and math.isfinite(t) for line in table for t in line)
-              and all(t >= 0 and math.isfinite(t) for t in draft))
+              and all(t >= 0 and math.isfinite(t) for t in draft + draft_slot))
         if not ok:
             raise ValueError("inconsistent step cost table")
-        return cls(rows, tokens, table, draft, max_per_row)
+        return cls(rows, tokens, table, draft, max_per_row, draft_slot)
 
     def describe(self) -> str:
         """One log line: ms per step plain, at the tile edges measured, at the largest block."""
@@ -236,7 +259,8 @@ class StepCostModel:
         for i, r in enumerate(self.rows):
             t = np.array([r, *(e for e in (16, 17) if e > r), r * self.max_per_row], float)
             ms = " ".join(f"{int(n)}:{1e3 * v:.1f}" for n, v in zip(t, self._line(i, t)))
-            parts.append(f"{r} rows {ms}ms draft +{1e3 * self.draft[i]:.1f}ms")
+            parts.append(f"{r} rows {ms}ms draft +{1e3 * self.draft[i]:.1f}ms "
+                         f"+{1e3 * self.draft_slot[i]:.2f}ms/slot")
         return "; ".join(parts)
 
 
@@ -300,7 +324,7 @@ def ladder(limit: int, factor: int = 2) -> list[int]:
 def measure_step_costs(
     runner: ModelRunner, blocks: BlockManager, *, max_rows: int, max_per_row: int,
     max_tokens: int, with_draft: bool, vocab_size: int, lookahead: int, max_model_len: int,
-    repeats: int = 3, time_budget: float = 6.0, sparse_budget: float = 4.0,
+    draft_slots: int = 1, repeats: int = 3, time_budget: float = 6.0, sparse_budget: float = 4.0,
 ) -> StepCostModel:
     """Time real runner steps on synthetic requests (their pages are scratch: the blocks are
     taken from and returned to the pool before any request arrives).
@@ -308,7 +332,9 @@ def measure_step_costs(
     Rows are measured from small to large: every decode-sized block of a line while
     ``time_budget`` seconds last, then (up to ``sparse_budget`` times that) only each line's
     plain step, its one-draft-a-row block and its draft pass; lines past even that are
-    extrapolated in proportion to the rows (online refinement corrects them).
+    extrapolated in proportion to the rows (online refinement corrects them). The draft pass
+    is timed with one draft a request and with every draft (``max_per_row - 1``, which need
+    ``draft_slots`` slots): the price of a slot is their difference.
     """
     rows_ladder = [r for r in ladder(max_rows, 4) if r <= max_tokens]
     tokens = token_ladder(rows_ladder, max_per_row, max_tokens)
@@ -317,12 +343,13 @@ def measure_step_costs(
     table_ids: list[int] = []
     blocks.grow(table_ids, ctx + max_per_row + lookahead)
     gen = torch.Generator().manual_seed(0)
+    every = max_per_row - 1  # drafts a request makes at most
     greedy = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     made: list[Request] = []
 
-    def plan_for(rows: int, total: int, draft: bool) -> StepPlan:
+    def plan_for(rows: int, total: int, draft: int) -> StepPlan:
         """``rows`` requests running ``total`` query tokens, spread evenly (the first rows
-        take one more where they do not divide)."""
+        take one more where they do not divide), each then making ``draft`` drafts."""
         plan = StepPlan(scheduled=[])
         for n in range(rows):
             q = total // rows + (n < total % rows)
@@ -359,7 +386,7 @@ def measure_step_costs(
 
     try:
         start = time.perf_counter()
-        run(plan_for(1, 1, with_draft))  # first-call costs (allocations, threads) go here
+        run(plan_for(1, 1, every if with_draft else 0))  # first calls (allocations, threads)
         # Two passes: every line's decode-sized steps first (up to 65 tokens or 4 a row), then
         # the larger blocks while time remains. In one pass, the 16-row line's blocks of 128 to
         # 528 tokens used up the budget and the 64-row line was extrapolated at 97 ms for its
@@ -375,6 +402,7 @@ def measure_step_costs(
             spans.append(([t for t in shapes if t <= small], [t for t in shapes if t > small]))
         measured: list[tuple[list[int], list[float]]] = []
         draft: list[float] = []
+        draft_slot: list[float] = []
         for rows, (first, _) in zip(rows_ladder, spans):
             spent = time.perf_counter() - start
             if measured and spent > sparse_budget * time_budget:
@@ -390,9 +418,11 @@ def measure_step_costs(
                 # cheap, and 16 streams served 0.90x no speculation
                 first = [t for t in first if t in (rows, 2 * rows)] or first[:1]
                 rounds = 1
-            plans = [plan_for(rows, t, False) for t in first]
+            plans = [plan_for(rows, t, 0) for t in first]
             if with_draft:
-                plans.append(plan_for(rows, rows, True))
+                plans.append(plan_for(rows, rows, 1))
+                if draft_slots > 1:
+                    plans.append(plan_for(rows, rows, every))
             # one row is the cheapest line and the one single streams decide from: twice the
             # rounds (its 8-token price varied by 1.14-1.66x over 3-round calibrations)
             times, proposer = run(*plans, repeats=rounds)
@@ -400,15 +430,17 @@ def measure_step_costs(
             # the draft pass as the proposer times it (Proposer.draft_seconds): the difference
             # of two whole steps, each noisy by milliseconds, once priced a 2.7 ms pass at 4.9
             # and another at 0.0
-            draft.append(proposer[-1] if with_draft else 0.0)
+            one = proposer[len(first)] if with_draft else 0.0
+            draft.append(one)
+            draft_slot.append(max(0.0, proposer[-1] - one) / (rows * (draft_slots - 1))
+                              if with_draft and draft_slots > 1 else 0.0)
         for i, (rows, (_, rest)) in enumerate(zip(rows_ladder, spans)):
             if i >= len(measured) or time.perf_counter() - start > time_budget:
                 break
             if rest:
                 # with the line's plain step between repeats (its time unused): a plan run
                 # twice in a row would give the proposer one request's context twice
-                times, _ = run(*[plan_for(rows, t, False) for t in rest],
-                               plan_for(rows, rows, False))
+                times, _ = run(*[plan_for(rows, t, 0) for t in rest], plan_for(rows, rows, 0))
                 times = times[: len(rest)]
                 measured[i][0].extend(rest)
                 measured[i][1].extend(times)
@@ -429,6 +461,7 @@ def measure_step_costs(
             line = read_line(tokens, np.asarray(table[-1]), np.maximum(t, rows) / scale)
             table.append((line * scale).tolist())
             draft.append(draft[-1] * scale)
+            draft_slot.append(draft_slot[-1])  # a slot of a request costs alike at any rows
         # nor do more rows with as many tokens each: a cell measured slower than the same
         # tokens per row on more rows was noise (AVX2 float32 here once measured 4 rows at
         # 154 ms and 16 rows at 130 ms, 4 tokens a row). (Not the same tokens in all: one row
@@ -450,7 +483,7 @@ def measure_step_costs(
             shift = (read_line(tokens, np.asarray(table[i]), t)
                      - read_line(tokens, np.asarray(table[i - 1]), t))[0]
             table[i] = np.where(below, np.asarray(table[i - 1]) + shift, table[i]).tolist()
-        return StepCostModel(rows_ladder, tokens, table, draft, max_per_row)
+        return StepCostModel(rows_ladder, tokens, table, draft, max_per_row, draft_slot)
     finally:
         blocks.free(table_ids)
         for req in made:  # finished: nothing a proposer kept for them is written any more

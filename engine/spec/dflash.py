@@ -21,16 +21,17 @@ import torch
 
 from attention.backends.base import AttentionBackend, AttentionBatch
 from attention.groups import LayerKVSpec
-from attention.kv import LayerKV
+from attention.kv import LayerKV, SlotIndex
 from engine.config import ConfigError, EngineConfig, GraphConfig
 from engine.graphs import PaddedPasses, PadSpace, QueryShape, draft_sizes
 from engine.kv_pool import KVPool
 from engine.runner import slot_list
 from engine.spec.base import ProposalItem
-from engine.spec.tree import DraftTree, TreeError, load_tree, unsupported
+from engine.spec.tree import DraftTree, TreeError, load_tree, slots_needed, unsupported
 from engine.request import Request
 from models.dflash import (
     MASK_EMBEDDING_FILE,
+    BlockRows,
     DFlashConfig,
     DFlashDraftModel,
     iter_draft_weights,
@@ -145,6 +146,8 @@ class _Waiting:
 
 
 class DFlashProposer:
+    trims_blocks = True  # whether a request's proposal may run only the block rows it needs
+
     def __init__(
         self,
         draft: DFlashDraftModel,
@@ -161,10 +164,23 @@ class DFlashProposer:
         # the drafts offered per step: the tree's nodes (engine.spec.tree), else a chain of K
         self.tree = tree
         self.num_drafts = tree.num_nodes if tree is not None else num_speculative_tokens
-        # per node, its (slot, rank) cell of a [slots, ranks] top-k table of a block
-        self._tree_pick = None if tree is None else torch.tensor(
-            [(d - 1) * (tree.max_rank + 1) + r for d, r in zip(tree.depths, tree.ranks)],
-            dtype=torch.long)
+        # Per draft: its block slot (1-based) and its rank among the slot's candidates (a
+        # chain: slot j, rank 0); a [slots, ranks] table of each block's top tokens holds draft
+        # j at cell (slot - 1) * width + rank. The first n drafts need the first rows_for[n]
+        # slots.
+        depths = tree.depths if tree is not None else tuple(range(1, num_speculative_tokens + 1))
+        ranks = tree.ranks if tree is not None else (0,) * num_speculative_tokens
+        self._width = max(ranks) + 1
+        self._cells = [(d - 1) * self._width + r for d, r in zip(depths, ranks)]
+        self._rows_for = slots_needed(tree, self.num_drafts)
+        # A request that wants its first few drafts gets the block rows they need alone
+        # (models.dflash.BlockRows: the last layer runs only those rows' queries, projection
+        # and MLP, and the head scores only them). On the CPU, whose paged attention kernel is
+        # query-length invariant, so every draft is bitwise the whole block's; not with
+        # refinement passes (they rerun the whole block) or a DFlash2 selector (it reads the
+        # whole block).
+        self._trim_rows = (self.trims_blocks and device.type == "cpu"
+                           and draft.config.refine_passes == 0)
         self.capture_layers = tuple(draft.config.target_layer_ids)
         self.lookahead_slots = num_speculative_tokens + 1  # the next block: p .. p+K
         self.cache_dtype = cache_dtype
@@ -280,16 +296,18 @@ class DFlashProposer:
         block_pos: list[int] = []
         block_slots: list[int] = []
         kv_lens, tables = [], []
+        counts: list[int] = []  # drafts each proposing request wants
         mask_id = self.draft.config.mask_token_id
         proposing: list[Request] = []
         for it in items:
             req = it.item.request
             if it.num_valid > 0:
                 ctx.append((req, it.row, it.start, it.num_valid))
-            if not it.sampled or not it.wants_draft:
+            if not it.sampled or not it.num_drafts:
                 continue
             p = it.start + it.num_valid  # position of the newest (bonus) token
             proposing.append(req)
+            counts.append(min(it.num_drafts, self.num_drafts))
             block_ids.append(it.sampled[-1])
             block_ids.extend([mask_id if mask_id is not None else 0] * k)
             block_pos.extend(range(p, p + k + 1))
@@ -315,15 +333,50 @@ class DFlashProposer:
             slot_mapping=torch.tensor(block_slots, dtype=torch.long), causal=False,
             block_size=bs,
         )
-        if self._graphs is not None and self._graphs.fits(batch):
-            hidden, = self._graphs.run(block_ids, block_pos, batch)
+        if self._trim_rows and self._graphs is None:
+            rows = [self._rows_for[c] for c in counts]
+            hidden = self._rows_pass(self._index(block_ids), self._index(block_pos), batch, rows)
+            drafts = self.choose_rows(proposing, hidden, rows, counts)
         else:
-            meta = self._backend.build_metadata(batch, self.device)
-            hidden, = self._block_pass(self._index(block_ids), self._index(block_pos), meta)
-        anchors = self._index(block_ids[:: k + 1])
-        drafts = self.choose(proposing, hidden.view(n, k + 1, -1), anchors)  # on the host
+            if self._graphs is not None and self._graphs.fits(batch):
+                hidden, = self._graphs.run(block_ids, block_pos, batch)
+            else:
+                meta = self._backend.build_metadata(batch, self.device)
+                hidden, = self._block_pass(self._index(block_ids), self._index(block_pos), meta)
+            anchors = self._index(block_ids[:: k + 1])
+            whole = self.choose(proposing, hidden.view(n, k + 1, -1), anchors)  # on the host
+            drafts = {r.request_id: whole[r.request_id][:c] for r, c in zip(proposing, counts)}
         self.draft_seconds = time.perf_counter() - t0
         return drafts
+
+    def _embed_blocks(self, ids: torch.Tensor) -> torch.Tensor:
+        """Inputs of the query blocks ``[token, MASK x K]``: the target's embedding, with the
+        draft's own mask embedding in the MASK slots if it has one."""
+        embeds = self.target.embed(ids)
+        if self.draft.mask_embedding is not None:
+            q_len = self.num_speculative_tokens + 1
+            embeds = embeds.view(-1, q_len, embeds.shape[-1]).clone()
+            embeds[:, 1:] = self.draft.mask_embedding.to(embeds.dtype)
+            embeds = embeds.view(ids.shape[0], -1)
+        return embeds
+
+    def _rows_pass(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                   rows: list[int]) -> torch.Tensor:
+        """The draft's states ``[sum(rows), H]`` of the first ``rows[i]`` drafted slots of
+        block ``i`` (``models.dflash.BlockRows``), the blocks laid out as ``batch`` says."""
+        q_len = self.num_speculative_tokens + 1
+        keep = [i * q_len + 1 + j for i, r in enumerate(rows) for j in range(r)]
+        index = self._index(keep)
+        slots = batch.slot_mapping
+        kept = dataclasses.replace(batch, q_lens=tuple(rows),
+                                   slot_mapping=slots.index_select(0, index.to(slots.device)))
+        backend = self._backend
+        block_rows = BlockRows(index, backend.build_metadata(kept, self.device),
+                               SlotIndex.build(slots, batch.block_size, self.device))
+        # the layers before the last run every row (none in a one-layer draft)
+        meta = backend.build_metadata(batch, self.device) if len(self.layer_names) > 1 else None
+        return self.draft(self._embed_blocks(ids), positions, meta, self._kv, block_len=q_len,
+                          rows=block_rows)
 
     def _block_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta
                     ) -> tuple[torch.Tensor]:
@@ -332,11 +385,7 @@ class DFlashProposer:
         of MASK (same positions and slots: the block's K/V are overwritten, the context's stay),
         all on the device, so a CUDA graph captures every pass."""
         q_len = self.num_speculative_tokens + 1
-        embeds = self.target.embed(ids)
-        if self.draft.mask_embedding is not None:
-            embeds = embeds.view(-1, q_len, embeds.shape[-1]).clone()
-            embeds[:, 1:] = self.draft.mask_embedding.to(embeds.dtype)
-            embeds = embeds.view(ids.shape[0], -1)
+        embeds = self._embed_blocks(ids)
         hidden = self.draft(embeds, positions, meta, self._kv, block_len=q_len)
         cfg = self.draft.config
         masks = embeds.view(-1, q_len, embeds.shape[-1])[:, 1:]
@@ -366,25 +415,35 @@ class DFlashProposer:
     def choose(
         self, reqs: list[Request], hidden: torch.Tensor, anchors: torch.Tensor
     ) -> dict[str, list[int]]:
-        """Draft tokens from the block states ``[n, K+1, H]`` (DFlash: the argmax of every
-        MASK position; DFlash2 overrides this with its selector)."""
-        n, k = hidden.shape[0], hidden.shape[1] - 1
-        tree = self.tree
-        if tree is not None:
-            # node j: the ranks[j]-th best token of slot depths[j]
-            depth, width = tree.max_depth, tree.max_rank + 1
-            logits = self.draft_logits(hidden[:, 1:depth + 1].reshape(n * depth, -1))
-            top = logits.topk(width, dim=-1).indices
-            if self._vocab_ids is not None:
-                top = self._vocab_ids[top]
-            pick = self._tree_pick.to(top.device)
-            nodes = top.view(n, depth * width).index_select(1, pick)
-            return dict(zip((r.request_id for r in reqs), nodes.tolist()))
-        best = argmax(self.draft_logits(hidden[:, 1:].reshape(n * k, -1)))
-        if self._vocab_ids is not None:
-            best = self._vocab_ids.index_select(0, best)
-        return dict(zip((r.request_id for r in reqs), best.view(n, k).tolist()))
+        """Every draft from the whole block states ``[n, K+1, H]`` (:meth:`choose_rows` over
+        the slots the drafts need; DFlash2 overrides this with its selector)."""
+        n, rows = hidden.shape[0], self._rows_for[-1]
+        states = hidden[:, 1:rows + 1].reshape(n * rows, -1)
+        return self.choose_rows(reqs, states, [rows] * n, [self.num_drafts] * n)
 
+    def choose_rows(self, reqs: list[Request], hidden: torch.Tensor, rows: list[int],
+                    counts: list[int]) -> dict[str, list[int]]:
+        """The first ``counts[i]`` drafts of request ``i`` from the states of its first
+        ``rows[i]`` drafted slots (``hidden [sum(rows), H]``, in request order): a chain's draft
+        is its slot's argmax, a tree node the ``rank``-th best token of its slot."""
+        width = self._width
+        logits = self.draft_logits(hidden)
+        top = argmax(logits) if width == 1 else logits.topk(width, dim=-1).indices.view(-1)
+        pick: list[int] = []
+        first = 0
+        for r, c in zip(rows, counts):
+            pick.extend(first * width + cell for cell in self._cells[:c])
+            first += r
+        tokens = top.index_select(0, self._index(pick))
+        if self._vocab_ids is not None:
+            tokens = self._vocab_ids.index_select(0, tokens)
+        flat = tokens.tolist()  # on the host
+        drafts: dict[str, list[int]] = {}
+        first = 0
+        for req, c in zip(reqs, counts):
+            drafts[req.request_id] = flat[first:first + c]
+            first += c
+        return drafts
 
 
 def validate_draft_vocab(draft: DFlashDraftModel, target: LlamaForCausalLM) -> None:

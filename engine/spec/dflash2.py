@@ -31,6 +31,8 @@ def samples_drafts(req: Request) -> bool:
 
 
 class DFlash2Proposer(DFlashProposer):
+    trims_blocks = False  # the selector chooses each block's tokens as a sequence
+
     def __init__(self, *args, seed: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         cfg, vocab = self.draft.config, self.target.config.vocab_size

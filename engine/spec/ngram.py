@@ -40,11 +40,12 @@ class NgramProposer:
         t0 = time.perf_counter()
         drafts = {}
         for it in items:
-            if not it.sampled or not it.wants_draft:
+            if not it.sampled or not it.num_drafts:
                 continue
             req = it.item.request
             context = req.prompt_token_ids + req.output_token_ids + it.sampled
-            found = lookup(context, self.min_n, self.max_n, self.num_speculative_tokens)
+            found = lookup(context, self.min_n, self.max_n,
+                           min(it.num_drafts, self.num_speculative_tokens))
             if found:
                 drafts[req.request_id] = found
         self.draft_seconds = time.perf_counter() - t0

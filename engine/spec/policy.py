@@ -14,24 +14,25 @@ from engine.spec.acceptance import DEFAULT_PRIOR, AcceptanceModel, load_seed_cur
 from engine.spec.controller import SpecController
 from engine.spec.cost import StepCostModel, measure_step_costs
 from engine.spec.stats import SpecDecodingStats
+from engine.spec.tree import DraftTree, slots_needed
 
 if TYPE_CHECKING:
     from engine.block_manager import BlockManager
     from engine.config import EngineConfig
     from engine.runner import ModelRunner
     from engine.spec.base import Proposer
-    from engine.spec.tree import DraftTree
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 21  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
+COST_CACHE_VERSION = 22  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
 # 11: one row padded to the fastest row count; 12: packed draft weights, context writes
 # deferred per request; 13: AVX2 kernels' vectors kept in registers; 14: direct oneDNN products;
 # 15: the draft pass priced from the proposer's own times; 16: direct products held to probed
 # row counts (padded and split); 17: compiled argmax, logits kept in the model dtype; 18: direct
 # products exact up to 64 rows, layer ops with 512-bit vectors; 19: a step's tokens in all on
 # the token axis, measured on both sides of the 16-row tile edges; 20: lines past the time
-# budget measured sparsely, not scaled from the line below; 21: bf16 AVX2 panel products
+# budget measured sparsely, not scaled from the line below; 21: bf16 AVX2 panel products;
+# 22: a drafting request runs only the slots its drafts need, priced per slot
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
@@ -108,6 +109,7 @@ def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
         runner, blocks, max_rows=max_rows, max_per_row=max_per_row, max_tokens=max_tokens,
         with_draft=proposer.lookahead_slots > 0, vocab_size=mc.vocab_size,
         lookahead=proposer.lookahead_slots, max_model_len=mc.max_model_len,
+        draft_slots=slots_needed(proposer.tree, k)[-1],
     )
     log.info("measured step costs in %.1f s: %s", time.perf_counter() - t0, model.describe())
     measure_cache.save(path, model.to_json())

@@ -122,6 +122,15 @@ class DraftTree:
         return None if all(p == j for j, p in enumerate(parents)) else parents
 
 
+def slots_needed(tree: DraftTree | None, num_drafts: int) -> tuple[int, ...]:
+    """``out[n]``: the draft block slots (1-based, the first ``out[n]``) that the first ``n``
+    drafts occupy, for ``n = 0 .. num_drafts``: ``n`` for a chain, the deepest of its first
+    ``n`` nodes for a tree (what proposing them costs the proposer, and the cost model)."""
+    if tree is None:
+        return tuple(range(num_drafts + 1))
+    return (0, *tree.peaks[:num_drafts])
+
+
 def window_depths(parents: list[int]) -> list[int]:
     """Depth of every row of a verify window (row 0: the root) from its nodes' parents."""
     depths = [0]

@@ -65,9 +65,9 @@ def test_a_wave_is_judged_for_drafting_at_the_batch_it_forms() -> None:
     seen: list[int] = []
 
     class Recording(SpecController):
-        def fresh_request_drafts(self, batch_rows: int) -> bool:
+        def fresh_request_drafts(self, batch_rows: int) -> int:
             seen.append(batch_rows)
-            return batch_rows < 4  # drafting pays below four rows
+            return 2 if batch_rows < 4 else 0  # drafting pays below four rows
 
     ctl = Recording(2, AcceptanceModel(2), None, SpecDecodingStats(2), adaptive=False)
     sched = make_scheduler(max_num_seqs=6, max_num_batched_tokens=12, controller=ctl)
@@ -89,9 +89,9 @@ def test_fresh_drafting_is_asked_only_when_a_request_samples_its_first_token() -
     seen: list[int] = []
 
     class Recording(SpecController):
-        def fresh_request_drafts(self, batch_rows: int) -> bool:
+        def fresh_request_drafts(self, batch_rows: int) -> int:
             seen.append(batch_rows)
-            return True
+            return 2
 
     ctl = Recording(2, AcceptanceModel(2), None, SpecDecodingStats(2), adaptive=False)
     sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=8, controller=ctl)
@@ -105,7 +105,7 @@ def test_fresh_drafting_is_asked_only_when_a_request_samples_its_first_token() -
     sched.add(make_request("short", 3, max_tokens=4))
     sched.add(make_request("late", 3, max_tokens=4))  # waits: max_num_seqs is 2
     plan, _, _ = step(sched, runner)  # "short" ends its prefill in a batch of two
-    assert seen == [1, 2] and [s.draft for s in plan.scheduled] == [True, True]
+    assert seen == [1, 2] and [s.draft for s in plan.scheduled] == [2, 2]
     step(sched, runner)  # both decode, "late" still waits
     assert seen == [1, 2]
 

@@ -180,7 +180,7 @@ class OracleProposer:
     def propose(self, items, captured) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
         for it in items:
-            if not it.sampled or not it.wants_draft:
+            if not it.sampled or not it.num_drafts:
                 continue
             req = it.item.request
             done = len(req.output_token_ids) + len(it.sampled)

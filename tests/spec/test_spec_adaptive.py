@@ -12,6 +12,7 @@ import torch
 
 from engine import SamplingParams
 from engine.spec.controller import Decision, SpecController
+from engine.spec.cost import StepCostModel
 
 from .helpers import greedy, make_llm, random_prompts, token_ids
 
@@ -29,11 +30,12 @@ class ScriptedChoices(SpecController):
         out = []
         for i, c in enumerate(cands):
             k = (self.step + i) % (self.k_max + 1)
-            out.append(Decision(min(k, c.available, c.cap), (self.step + i) % 3 != 0))
+            out.append(Decision(min(k, c.available, c.cap),
+                                self.k_max if (self.step + i) % 3 else 0))
         return out
 
     def fresh_request_drafts(self, batch_rows):
-        return self.step % 2 == 0
+        return self.k_max if self.step % 2 == 0 else 0
 
 
 @pytest.fixture(autouse=True)
@@ -320,6 +322,36 @@ def test_cost_table_never_prices_more_rows_cheaper(monkeypatch):
     assert model.table[0][0] == pytest.approx(0.013)  # the clean cells are untouched
     # the draft pass is priced from the runner's drafting time alone
     assert model.draft[0] == pytest.approx(0.005) and model.draft[2] == pytest.approx(0.08)
+
+
+def test_cost_calibration_prices_each_drafted_slot(monkeypatch):
+    """The draft pass is timed with one draft a request and with all of them: a request's
+    further slots (here 1 ms each, its 3 drafts in 3 slots) are priced apart from the pass."""
+    import types
+
+    import engine.spec.cost as cost_mod
+    from engine.block_manager import BlockManager
+
+    clock = [0.0]
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def execute(self, plan):
+            drafting = [s.draft for s in plan.scheduled if s.draft]
+            spent = 0.002 * len(drafting) + 0.001 * sum(n - 1 for n in drafting)
+            clock[0] += 0.01 + 0.001 * plan.num_tokens + spent
+            return types.SimpleNamespace(draft_elapsed=spent)
+
+    monkeypatch.setattr(cost_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = cost_mod.measure_step_costs(
+        Runner(), BlockManager(64, 16), max_rows=16, max_per_row=4, max_tokens=2048,
+        with_draft=True, vocab_size=100, lookahead=4, max_model_len=512, draft_slots=3,
+        time_budget=1e9)
+    assert model.draft == pytest.approx([0.002, 0.008, 0.032])
+    assert model.draft_slot == pytest.approx([0.001] * 3)
+    assert model.draft_time(4, 12) == pytest.approx(0.008 + 8 * 0.001)
+    assert StepCostModel.from_json(model.to_json()).draft_slot == model.draft_slot
 
 
 def test_cost_table_prices_a_tile_staircase_in_total_tokens(monkeypatch):

@@ -51,12 +51,13 @@ class SpyProposer:
     def propose(self, items, captured):
         self.calls += 1
         if self.draft_every > 1:  # each request on its own turn: the others' writes wait
-            items = [dataclasses.replace(it, wants_draft=(self.calls + i) % self.draft_every == 0)
+            items = [dataclasses.replace(it, num_drafts=it.num_drafts if (self.calls + i)
+                                         % self.draft_every == 0 else 0)
                      for i, it in enumerate(items)]
         drafted = self.inner.propose(items, captured)
         bs = self.pool.layer(self.inner.layer_names[0]).block_size
         for it in items:
-            if not it.sampled or not it.wants_draft:
+            if not it.sampled or not it.num_drafts:
                 continue
             req = it.item.request
             tokens = req.prompt_token_ids + req.output_token_ids + it.sampled

@@ -222,7 +222,7 @@ class TreeOracle:
     def propose(self, items, captured):
         out = {}
         for it in items:
-            if not it.sampled or not it.wants_draft:
+            if not it.sampled or not it.num_drafts:
                 continue
             req = it.item.request
             done = len(req.output_token_ids) + len(it.sampled)
