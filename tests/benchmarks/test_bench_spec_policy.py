@@ -30,7 +30,9 @@ def test_lockstep_turns_agree_with_batch_turns(tmp_path):
     save_draft(tmp_path / "draft")
     common = dict(model=str(target), dtype="float32", max_model_len=256, max_num_seqs=4)
     spec = {"method": "dflash", "model": str(tmp_path / "draft")}
-    engines = {"none": bsp.EngineProcess(None, common), "adaptive": bsp.EngineProcess(spec, common)}
+    cache = tmp_path / "bench-measurements"  # the run's own (not the user's) measurements
+    engines = {"none": bsp.EngineProcess(None, common, cache),
+               "adaptive": bsp.EngineProcess(spec, common, cache)}
     try:
         prompts = [[5, 6, 7], [9, 10], [4, 8], [3, 3, 3, 3], [11], [12, 13]]
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -44,3 +46,4 @@ def test_lockstep_turns_agree_with_batch_turns(tmp_path):
         assert stepped[name]["tokens"] == 6 * 6 and stepped[name]["seconds"] > 0
     assert stepped["adaptive"]["outputs"] == stepped["none"]["outputs"]  # greedy: exact
     assert sum(stepped["adaptive"]["steps_by_k"]) >= 6 * 5  # one record per request step
+    assert list(cache.glob("measurements/step-costs-*.json"))  # the adaptive engine's costs
