@@ -261,7 +261,7 @@ class DFlashDraftModel(nn.Module):
         rope = self.rotary.lookup(positions, h.dtype)
         last = len(self.layers) - 1 if rows is not None else len(self.layers)
         for layer, kv in zip(self.layers[:last], kv_caches):
-            h = layer(rope, h, meta, kv)
+            h = layer.forward(rope, h, meta, kv)  # (direct calls: see models/llama.py)
         if rows is not None:
             h = self.layers[last].forward_rows(rope, h, rows.index, rows.meta, rows.slots,
                                                kv_caches[last])

@@ -282,9 +282,9 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj.forward(x)  # (direct calls: see models/llama.py)
         ops = cpu_ops(gate_up)
         if ops is not None:
-            return self.down_proj(ops.silu_mul(gate_up.contiguous()))
+            return self.down_proj.forward(ops.silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.forward(F.silu(gate) * up)

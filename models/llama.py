@@ -2,6 +2,12 @@
 
 The forward pass is a pure function of ``(input_ids, positions, attention metadata, per-layer
 KV handles)``; it knows nothing about requests, sampling or serving.
+
+Inside a layer, submodules are run with ``.forward(...)``: ``nn.Module.__call__``'s hook
+machinery, eight calls a layer, cost 6% of a one-row SmolLM2-135M target pass on a 2-vCPU AVX2
+EPYC (12.37 -> 11.71 ms with direct calls, 0.94x at one and two rows, median of 30 alternating
+rounds); nothing here registers hooks (a wrapper put on a module's ``forward`` attribute still
+runs).
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ class Attention(nn.Module):
         and RoPE in one compiled pass (the same operations on the same values as the PyTorch
         ops below: the same bits), Q and K contiguous; V is a view."""
         n = x.shape[0]
-        heads = self.qkv_proj(x).view(n, -1, self.head_dim)
+        heads = self.qkv_proj.forward(x).view(n, -1, self.head_dim)
         nq, nk = self.num_heads, self.num_kv_heads
         if self.q_norm is None:
             ops = cpu_ops(heads, *rope)
@@ -159,7 +165,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv(rope, x)
         out = meta.attend(q, k, v, kv, self.scale)
-        return self.o_proj(out.reshape(x.shape[0], self.q_size))
+        return self.o_proj.forward(out.reshape(x.shape[0], self.q_size))
 
     def forward_rows(
         self, rope: Rope, x: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata,
@@ -173,7 +179,7 @@ class Attention(nn.Module):
         # (``attend`` writes the kept rows' K/V once more: the same values to the same slots)
         out = meta.attend(q.index_select(0, rows), k.index_select(0, rows),
                           v.index_select(0, rows), kv, self.scale)
-        return self.o_proj(out.reshape(rows.shape[0], self.q_size))
+        return self.o_proj.forward(out.reshape(rows.shape[0], self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -187,9 +193,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, rope: Rope, h: torch.Tensor, meta: AttentionMetadata, kv: LayerKV
     ) -> torch.Tensor:
-        attn = self.self_attn(rope, self.input_layernorm(h), meta, kv)
+        attn = self.self_attn.forward(rope, self.input_layernorm.forward(h), meta, kv)
         x, h = self.post_attention_layernorm.add(attn, h)
-        return h + self.mlp(x)
+        return h + self.mlp.forward(x)
 
     def forward_rows(
         self, rope: Rope, h: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata,
@@ -197,9 +203,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """The outputs of the rows ``rows`` of ``h`` alone (``Attention.forward_rows``); every
         operation is row-wise or row-count invariant, so each is the same as :meth:`forward`'s."""
-        attn = self.self_attn.forward_rows(rope, self.input_layernorm(h), rows, meta, slots, kv)
+        attn = self.self_attn.forward_rows(rope, self.input_layernorm.forward(h), rows, meta,
+                                           slots, kv)
         x, h = self.post_attention_layernorm.add(attn, h.index_select(0, rows))
-        return h + self.mlp(x)
+        return h + self.mlp.forward(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -262,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.lookup(positions, h.dtype)
         wanted = {layer_id: None for layer_id in capture}
         for i, layer in enumerate(self.layers):
-            h = layer(rope, h, meta, kv_caches[i])
+            h = layer.forward(rope, h, meta, kv_caches[i])
             if i in wanted:
                 wanted[i] = h
         captured = torch.cat([wanted[i] for i in capture], dim=-1) if capture else None
