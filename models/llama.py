@@ -151,11 +151,10 @@ class Attention(nn.Module):
             kv = linear(x, proj.weight[self.q_size :], b)
         nk, norm = self.num_kv_heads, self.k_norm
         heads = kv.view(n, 2 * nk, self.head_dim)
-        weights = () if norm is None else (norm.weight,)
-        ops = cpu_ops(heads, *rope, *weights)
+        kw = None if norm is None else norm.weight
+        ops = cpu_ops(heads, *rope) if kw is None else cpu_ops(heads, *rope, kw)
         if ops is not None:  # (the k norm and) RoPE in one pass, as in qkv
-            _, k = ops.rope_qk(heads, *rope, 0, nk, None, *weights or (None,),
-                               0.0 if norm is None else norm.eps)
+            _, k = ops.rope_qk(heads, *rope, 0, nk, None, kw, 0.0 if norm is None else norm.eps)
             return k, heads[:, nk:]
         k = heads[:, :nk] if norm is None else norm(heads[:, :nk])
         return apply_rotary(k, *rope), heads[:, nk:]

@@ -27,7 +27,7 @@ from engine.graphs import PaddedPasses, PadSpace, QueryShape, draft_sizes
 from engine.kv_pool import KVPool
 from engine.runner import slot_list
 from engine.spec.base import ProposalItem
-from engine.spec.tree import DraftTree, TreeError, load_tree, slots_needed, unsupported
+from engine.spec.tree import DraftTree, TreeError, load_tree, unsupported
 from engine.request import Request
 from models.dflash import (
     MASK_EMBEDDING_FILE,
@@ -165,14 +165,13 @@ class DFlashProposer:
         self.tree = tree
         self.num_drafts = tree.num_nodes if tree is not None else num_speculative_tokens
         # Per draft: its block slot (1-based) and its rank among the slot's candidates (a
-        # chain: slot j, rank 0); a [slots, ranks] table of each block's top tokens holds draft
-        # j at cell (slot - 1) * width + rank. The first n drafts need the first rows_for[n]
-        # slots.
-        depths = tree.depths if tree is not None else tuple(range(1, num_speculative_tokens + 1))
-        ranks = tree.ranks if tree is not None else (0,) * num_speculative_tokens
-        self._width = max(ranks) + 1
-        self._cells = [(d - 1) * self._width + r for d, r in zip(depths, ranks)]
-        self._rows_for = slots_needed(tree, self.num_drafts)
+        # chain is the tree of rank-0 nodes); a [slots, ranks] table of each block's top tokens
+        # holds draft j at cell (slot - 1) * width + rank. The first n drafts need the first
+        # rows_for[n] slots.
+        shape = tree if tree is not None else DraftTree.chain(num_speculative_tokens)
+        self._width = shape.max_rank + 1
+        self._cells = [(d - 1) * self._width + r for d, r in zip(shape.depths, shape.ranks)]
+        self._rows_for = (0, *shape.peaks)
         # A request that wants its first few drafts gets the block rows they need alone
         # (models.dflash.BlockRows: the last layer runs only those rows' queries, projection
         # and MLP, and the head scores only them). On the CPU, whose paged attention kernel is
