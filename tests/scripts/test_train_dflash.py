@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -372,7 +374,7 @@ def _tiny_run_args(tmp_path, out):
     return ["--data", str(data), "--out", str(out), "--model", str(target), "--layers", "1",
             "--taps", "1", "2", "--block-size", "4", "--ffn", "48", "--anchors", "4",
             "--batch", "4", "--val-sequences", "4", "--draft-vocab", "24", "--eval-every", "2",
-            "--save-every", "1", "--max-positions", "64"]
+            "--save-every", "1", "--max-positions", "64", "--head-dtype", "bfloat16"]
 
 
 def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
@@ -416,6 +418,25 @@ def test_train_end_to_end_with_resume_and_a_reduced_vocab(tmp_path):
         train.train(train.parser().parse_args(argv + ["--eval-only"]))
     with pytest.raises(ValueError, match="--distill"):
         train.train(train.parser().parse_args(argv + ["--steps", "1", "--distill", "1.5"]))
+
+
+def test_the_head_dtype_is_measured_and_keeps_the_heads_values(tmp_path, capsys):
+    """``--head-dtype auto`` times both dtypes at the run's shapes and trains with the faster;
+    float32 holds the bfloat16 head exactly, so either way the draft scores the same weights."""
+    head = torch.randn(24, 16).to(torch.bfloat16)
+    choice, seconds = train.fastest_head_dtype(head, rows=12, rounds=2)
+    assert choice in (torch.bfloat16, torch.float32) and set(seconds) == {"bfloat16", "float32"}
+    assert choice == getattr(torch, min(seconds, key=seconds.get)) and min(seconds.values()) > 0
+    frozen = train.Frozen(embed=head.float(), head=head).with_head_dtype(torch.float32)
+    assert frozen.head.dtype == torch.float32 and torch.equal(frozen.head, head.float())
+    argv = _tiny_run_args(tmp_path, tmp_path / "run")
+    argv[argv.index("--head-dtype") + 1] = "auto"
+    done = train.train(train.parser().parse_args(argv + ["--steps", "2"]))
+    assert done["steps"] == 2 and math.isfinite(done["loss"])
+    assert re.search(r"head dtype auto: (bfloat16|float32) \(a 12-row product and its gradient: "
+                     r"bfloat16 [0-9.]+ ms, float32 [0-9.]+ ms\)", capsys.readouterr().out)
+    pinned = train.parser().parse_args(argv[:-1] + ["float32"])
+    assert train.head_dtype(pinned, frozen) == torch.float32
 
 
 def test_weight_average_follows_the_decay_and_swaps_back():
