@@ -178,8 +178,11 @@ class SpecController:
                          for v, c in zip(verify_ks, cands)]
         elif any(verify_ks):
             b = self.cost.row_bucket(len(cands))
-            if self._verifying_run[b] >= self._plain_every[b]:
-                verify_ks = [0] * len(cands)  # a plain probe (see plain_probe_interval)
+            assert self.realized is not None
+            if self._verifying_run[b] >= self._plain_every[b] or self.realized.wants_plain(b):
+                # a plain probe (see plain_probe_interval), also while the realized-gain check
+                # has too few plain steps of this batch size to compare verifying ones with
+                verify_ks = [0] * len(cands)
                 self._plain_probe = True
         probe = self._probe_due(any(k > 0 for k in draft_ks))
         self._verify_probe = probe
@@ -316,10 +319,22 @@ class SpecController:
         # drafting had been found to deliver less than promised their steps (at 16 requests
         # one probe every 8 steps) pulled the discount back to 1 and drafting resumed for
         # dozens of steps, each 4% below a plain step, until it was found again
+        # A step that verifies nothing is plain evidence, drafting or not: its draft pass (for
+        # the next step, priced and timed apart) is left out of both sides. Counted as
+        # speculative instead, the plain probes of a batch verifying at every step (they draft
+        # as planned) never reached the plain side, whose efficiency then read as the model's
+        # own (1): 16 streams on a table that priced 16 rows as 16 one-row steps (up to 32
+        # more tokens at nothing over a plain step) verified at every step for 300 steps at
+        # 0.56x no speculation while the check read 1.00
         if expected is not None and produced is not None and not exploring:
             assert self.realized is not None
-            self.realized.observe(self.cost.row_bucket(rows), verified > 0 or drafted_rows > 0,
-                                  expected, produced, predicted, seconds)
+            if verified:
+                self.realized.observe(self.cost.row_bucket(rows), True, expected, produced,
+                                      predicted, seconds)
+            elif seconds > draft_seconds:
+                self.realized.observe(self.cost.row_bucket(rows), False, expected, produced,
+                                      self.cost.step_time(rows, tokens),
+                                      seconds - draft_seconds)
         self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds, weight,
                           drafted_slots)
         self._steps_since_save += 1

@@ -324,15 +324,21 @@ def ladder(limit: int, factor: int = 2) -> list[int]:
 def measure_step_costs(
     runner: ModelRunner, blocks: BlockManager, *, max_rows: int, max_per_row: int,
     max_tokens: int, with_draft: bool, vocab_size: int, lookahead: int, max_model_len: int,
-    draft_slots: int = 1, repeats: int = 3, time_budget: float = 6.0, sparse_budget: float = 4.0,
+    draft_slots: int = 1, repeats: int = 3, time_budget: float = 6.0,
 ) -> StepCostModel:
     """Time real runner steps on synthetic requests (their pages are scratch: the blocks are
     taken from and returned to the pool before any request arrives).
 
     Rows are measured from small to large: every decode-sized block of a line while
-    ``time_budget`` seconds last, then (up to ``sparse_budget`` times that) only each line's
-    plain step, its one-draft-a-row block and its draft pass; lines past even that are
-    extrapolated in proportion to the rows (online refinement corrects them). The draft pass
+    ``time_budget`` seconds last, then only each line's plain step, its one-draft-a-row block
+    and its draft pass, once each after a warm-up (a few steps a line, however slow the
+    machine is at the moment). No line is extrapolated from another: priced in proportion to
+    the rows, a line keeps the smaller line's absolute price of an extra token beside a plain
+    step ``rows`` times its own, and online refinement, which scales a line's level by its
+    plain steps, keeps that shape. (A server whose calibration shared the CPU with another
+    server's startup measured one row only and priced 16 rows at 491 ms a plain step and
+    +0.4 ms for 16 more tokens, where real steps took 28 and 45 ms: it verified drafts at
+    every step and served 0.63x no speculation at 16 streams.) The draft pass
     is timed with one draft a request and with every draft (``max_per_row - 1``, which need
     ``draft_slots`` slots): the price of a slot is their difference.
     """
@@ -405,8 +411,6 @@ def measure_step_costs(
         draft_slot: list[float] = []
         for rows, (first, _) in zip(rows_ladder, spans):
             spent = time.perf_counter() - start
-            if measured and spent > sparse_budget * time_budget:
-                break
             rounds = 2 * repeats if rows == 1 else repeats
             if measured and spent > time_budget:
                 # Out of time for the whole line, not for its shape: its plain step and one
@@ -435,7 +439,7 @@ def measure_step_costs(
             draft_slot.append(max(0.0, proposer[-1] - one) / (rows * (draft_slots - 1))
                               if with_draft and draft_slots > 1 else 0.0)
         for i, (rows, (_, rest)) in enumerate(zip(rows_ladder, spans)):
-            if i >= len(measured) or time.perf_counter() - start > time_budget:
+            if time.perf_counter() - start > time_budget:
                 break
             if rest:
                 # with the line's plain step between repeats (its time unused): a plan run
@@ -452,16 +456,6 @@ def measure_step_costs(
             # below the plain step: its time; past what was measured: the last measured slope
             t = np.maximum(np.asarray(tokens, float), rows)
             table.append(read_line(shapes, ys, t).tolist())
-        for rows in rows_ladder[len(table):]:
-            # out of time: price the rows in proportion to the largest measured line at the
-            # same tokens per row (an over-estimate where batching is cheap: speculation then
-            # waits for online refinement, not the other way round)
-            scale = rows / rows_ladder[len(table) - 1]
-            t = np.asarray(tokens, float)
-            line = read_line(tokens, np.asarray(table[-1]), np.maximum(t, rows) / scale)
-            table.append((line * scale).tolist())
-            draft.append(draft[-1] * scale)
-            draft_slot.append(draft_slot[-1])  # a slot of a request costs alike at any rows
         # nor do more rows with as many tokens each: a cell measured slower than the same
         # tokens per row on more rows was noise (AVX2 float32 here once measured 4 rows at
         # 154 ms and 16 rows at 130 ms, 4 tokens a row). (Not the same tokens in all: one row

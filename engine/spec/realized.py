@@ -5,8 +5,10 @@ few percent, and it speculates exactly where they promise a gain: its errors the
 one way (a request that looked lucky is chosen, a cost that was under-estimated is chosen).
 This tracker closes the loop on the quantity the controller maximises. For every step it
 keeps decayed sums of expected and produced tokens, predicted and measured seconds, split by
-whether the step speculated (verified or drafted) and by batch size (the rows ladder of the
-cost model). The efficiency of a kind of step is ``(produced / expected) * (predicted /
+whether the step verified drafts (a step that verifies none is plain, its draft pass for the
+next step left out of both its price and its time) and by batch size (the rows ladder of the
+cost model). Where every step verifies, the plain side is filled by the controller's plain
+probes, asked for as soon as speculative steps are evidence enough and plain ones are not. The efficiency of a kind of step is ``(produced / expected) * (predicted /
 measured)``: 1 when the models are right. The correction for a batch size is the efficiency
 of speculative steps relative to plain ones, at most 1: the controller multiplies the gain it
 expects from speculating by it, so speculation that promised 10% and delivered 5% less than
@@ -95,6 +97,13 @@ class RealizedGain:
         sums.add(self.decay, expected, produced, predicted, measured)
         if not speculative:
             self._spec[bucket].scale(self.idle_decay)
+
+    def wants_plain(self, bucket: int) -> bool:
+        """Whether speculative steps of this bucket have been seen enough to judge, but plain
+        ones too few to judge them against (the correction then reads plain steps as
+        delivering what the models promised: no check at all)."""
+        return (self._spec[bucket].weight >= self.min_weight
+                and self._plain[bucket].weight < self.min_weight)
 
     def correction(self, bucket: int) -> float:
         """Factor in ``[floor, 1]`` on the gain the models expect from speculating."""

@@ -350,6 +350,7 @@ def test_plain_probes_measure_a_level_that_only_verifying_steps_would_leave_stal
                               **kw)
 
     never = stale(plain_probe_interval=10**9)
+    never.realized.min_weight = 10**9  # nor plain steps the realized-gain check asks for
     assert all(v for v, _ in _serve(never, truth, 4, 0.5, 600)[-150:])  # drafts for good
     ctl = stale()
     late = _serve(ctl, truth, 4, 0.5, 600)[-150:]
@@ -359,7 +360,11 @@ def test_plain_probes_measure_a_level_that_only_verifying_steps_would_leave_stal
     fast = controller(acceptance=0.8, per_token=0.0005, draft=0.002)
     steps = _serve(fast, fast.cost, 1, 0.8, 1500)
     plain = [i for i, (v, _) in enumerate(steps) if not v]
-    assert len(plain) <= 6 and plain[0] >= 32
+    # the realized-gain check's plain steps once its first verifying ones are in, then
+    # periodic probes from 32 steps on, ever rarer
+    asked = [i for i in plain if i < 32]
+    assert 4 <= len(asked) <= 6 and asked[0] >= 4
+    assert len(plain) - len(asked) <= 6
     assert fast._plain_every[0] == 512
 
 
@@ -611,3 +616,24 @@ def test_probes_remeasure_small_blocks_a_calibration_over_priced():
     # priced right from the start (one request whose own acceptance estimate, at 0.48, now and
     # then falls below what pays and waits for a probe)
     assert sum(1 for v, _ in steps if v) >= 150
+
+
+def test_plain_probes_that_draft_feed_the_realized_gain_check():
+    """A 16-row line priced as 16 one-row steps (a calibration that timed one row only) puts 16
+    more tokens at +4% of a plain step where they cost +39%: drafting looks worth it, every
+    step verifies, and the only plain steps are the probes, which draft as planned. Counted as
+    plain evidence (their draft pass left out), they show speculative steps delivering less
+    than plain ones, and verification stops."""
+    rows, tokens = [1, 4, 16, 64], [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+    def model(price) -> StepCostModel:
+        return StepCostModel(rows, tokens, [[price(r, max(t, r)) for t in tokens] for r in rows],
+                             [0.001 * r for r in rows], max_per_row=8)
+
+    truth = model(lambda r, t: 0.015 + 0.0006 * t)  # the products: a step's tokens in all
+    believed = model(lambda r, t: r * (0.015 + 0.0006 * t / r))
+    ctl = SpecController(K, AcceptanceModel(K, [0.3] * K), believed, SpecDecodingStats(K))
+    # (counted as speculative, the probes left the check blind: 145 of the first 150 steps
+    # verified, until verifying steps had refined their own prices up)
+    first = _serve(ctl, truth, 16, 0.3, 150)
+    assert sum(1 for v, _ in first if v) <= 15
