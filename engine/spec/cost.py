@@ -476,7 +476,11 @@ def measure_step_costs(
             t = np.array([float(rows_ladder[i])])
             shift = (read_line(tokens, np.asarray(table[i]), t)
                      - read_line(tokens, np.asarray(table[i - 1]), t))[0]
-            table[i] = np.where(below, np.asarray(table[i - 1]) + shift, table[i]).tolist()
+            # (a smaller line timed slower than this one at its plain step, noise on a busy
+            # machine, shifts down, but never below the cheapest step of all: one row, one
+            # token; a tiny model's sparse lines once shifted cells below zero)
+            shifted = np.maximum(np.asarray(table[i - 1]) + shift, table[0][0])
+            table[i] = np.where(below, shifted, table[i]).tolist()
         return StepCostModel(rows_ladder, tokens, table, draft, max_per_row, draft_slot)
     finally:
         blocks.free(table_ids)

@@ -286,27 +286,38 @@ def test_a_request_drafts_again_after_plain_steps():
 
 
 def test_a_plan_that_drafts_nobody_stands_while_its_inputs_do():
-    """Under load where nothing pays, the batch is priced once per ``replan_interval`` steps
-    at most; a change of rows or tokens, new verification evidence, or drafts held are priced
-    at once."""
+    """Under load where nothing pays, the batch is priced once per ``replan_interval`` steps at
+    first, then ever more rarely (the interval doubles, to ``max_replan_interval``) while the
+    batch size stays in its bucket of the cost model's rows and no verification is observed;
+    another bucket, new verification evidence, or drafts held are priced at once, and a
+    request joining such a batch does not draft either."""
     ctl = controller(acceptance=0.01, per_token=0.001, draft=0.01, probe_interval=10**6,
-                     replan_interval=4)
+                     replan_interval=4, max_replan_interval=16)
     priced = []
     inner = ctl._optimal_ks
     ctl._optimal_ks = lambda *a, **kw: (priced.append(len(a[0])), inner(*a, **kw))[1]
-    for _ in range(8):
-        assert not any(d.draft or d.k for d in ctl.plan(decode(4, available=0)))
-    assert priced == [4, 4]  # steps 1 and 5
-    ctl.plan(decode(3, available=0))  # a request left
-    ctl.plan(decode(3, available=0) + [Candidate(None, 0, K, 6)])  # one prefilling: more tokens
-    assert priced == [4, 4, 3, 4]
+    steps = []
+    for step in range(1, 60):
+        n = 4 if step % 3 else 3  # requests leaving and joining: the same bucket (4 rows)
+        before = len(priced)
+        assert not any(d.draft or d.k for d in ctl.plan(decode(n, available=0)))
+        if len(priced) > before:
+            steps.append(step)
+    assert steps == [1, 5, 13, 29, 45]  # after 4, 8, 16 and 16 steps
+    assert ctl.fresh_request_drafts(4) == 0 and len(priced) == 5  # stands for a joining one
+    ctl.plan(decode(16, available=0))  # another bucket: priced at once
+    assert priced[-1] == 16
+    ctl.plan(decode(16, available=0))
+    assert len(priced) == 6
     ctl.observe(ctl.acceptance.new_request(), 2, 1)  # a verification anywhere
-    ctl.plan(decode(4, available=0))
-    ctl.plan(decode(4, available=2))  # drafts held: the verification is priced
-    assert priced == [4, 4, 3, 4, 4, 4]
+    ctl.plan(decode(16, available=0))
+    assert len(priced) == 7
+    ctl.plan(decode(16, available=2))  # drafts held: the verification is priced
+    assert len(priced) == 8
     # a plan that drafts stands never
     busy = controller(acceptance=0.95, per_token=0.0, draft=0.0, replan_interval=4)
     assert all(all(d.draft for d in busy.plan(decode(4, available=0))) for _ in range(6))
+    assert busy.fresh_request_drafts(4) > 0
 
 
 def _serve(ctl: SpecController, truth: StepCostModel, rows: int, acceptance: float,
