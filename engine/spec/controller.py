@@ -321,8 +321,8 @@ class SpecController:
         exploring, self._exploring = self._exploring, False
         probe_verifying, self._probe_verifying = self._probe_verifying, False
         plain_probe, self._plain_probe = self._plain_probe, False
-        predicted = (self.cost.step_time(rows, tokens)
-                     + self.cost.draft_time(drafted_rows, drafted_slots))
+        step_price = self.cost.step_time(rows, tokens)
+        predicted = step_price + self.cost.draft_time(drafted_rows, drafted_slots)
         weight = self.plain_probe_weight if probe_verifying and verified else 1.0
         if expected is not None:  # every row decodes: a step the controller chose
             b = self.cost.row_bucket(rows)
@@ -348,13 +348,11 @@ class SpecController:
         # more tokens at nothing over a plain step) verified at every step for 300 steps at
         # 0.56x no speculation while the check read 1.00
         if expected is not None and produced is not None and not exploring:
-            assert self.realized is not None
+            assert self.realized is not None  # (b: the bucket read above)
             if verified:
-                self.realized.observe(self.cost.row_bucket(rows), True, expected, produced,
-                                      predicted, seconds)
+                self.realized.observe(b, True, expected, produced, predicted, seconds)
             elif seconds > draft_seconds:
-                self.realized.observe(self.cost.row_bucket(rows), False, expected, produced,
-                                      self.cost.step_time(rows, tokens),
+                self.realized.observe(b, False, expected, produced, step_price,
                                       seconds - draft_seconds)
         self.cost.observe(rows, tokens, drafted_rows, seconds, draft_seconds, weight,
                           drafted_slots)

@@ -337,8 +337,8 @@ def measure_step_costs(
     step ``rows`` times its own, and online refinement, which scales a line's level by its
     plain steps, keeps that shape. (A server whose calibration shared the CPU with another
     server's startup measured one row only and priced 16 rows at 491 ms a plain step and
-    +0.4 ms for 16 more tokens, where real steps took 28 and 45 ms: it verified drafts at
-    every step and served 0.63x no speculation at 16 streams.) The draft pass
+    +0.3 ms for one more token, where real plain steps took 25-28 ms: it verified drafts at
+    almost every step and served 0.63x no speculation at 16 streams.) The draft pass
     is timed with one draft a request and with every draft (``max_per_row - 1``, which need
     ``draft_slots`` slots): the price of a slot is their difference.
     """

@@ -8,8 +8,9 @@ keeps decayed sums of expected and produced tokens, predicted and measured secon
 whether the step verified drafts (a step that verifies none is plain, its draft pass for the
 next step left out of both its price and its time) and by batch size (the rows ladder of the
 cost model). Where every step verifies, the plain side is filled by the controller's plain
-probes, asked for as soon as speculative steps are evidence enough and plain ones are not. The efficiency of a kind of step is ``(produced / expected) * (predicted /
-measured)``: 1 when the models are right. The correction for a batch size is the efficiency
+probes, asked for as soon as speculative steps are evidence enough and plain ones are not.
+The efficiency of a kind of step is ``(produced / expected) * (predicted / measured)``: 1 when
+the models are right. The correction for a batch size is the efficiency
 of speculative steps relative to plain ones, at most 1: the controller multiplies the gain it
 expects from speculating by it, so speculation that promised 10% and delivered 5% less than
 plain decoding stops until the models (probes keep refreshing both) promise more.
