@@ -3,6 +3,8 @@ it, the parts fit inside the whole step, and the table prints a column per confi
 
 from __future__ import annotations
 
+import json
+
 from benchmarks import bench_step_phases
 from tests.spec.helpers import save_draft, save_target
 
@@ -31,12 +33,17 @@ def test_parts_add_up_inside_the_step_and_the_table_prints(tmp_path, capsys):
 
 def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
     """``--layers``: the parts of each target pass are timed by its query rows (1 for a plain
-    decode, K + 1 for a verification of K drafts) and fit inside the pass."""
+    decode, K + 1 for a verification of K drafts, even with a draft that ships a tree) and fit
+    inside the pass."""
     from attention.backends import torch_backend
 
     attend_before = (torch_backend.PagedMetadata.attend, torch_backend.TorchMetadata.attend)
     target = save_target(tmp_path / "target")
     save_draft(tmp_path / "draft")
+    # a tree of 7 nodes (depth 3): a fixed K = 2 must still verify a chain of 2, not the 5
+    # nodes within depth 2
+    (tmp_path / "draft" / "tree.json").write_text(json.dumps(
+        {"paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]], "conditional": [0.5] * 7}))
     results = bench_step_phases.main([
         "--model", str(target), "--draft", str(tmp_path / "draft"), "--ks", "0", "2",
         "--prompt-ids", "5", "6", "7", "8", "--max-tokens", "8", "--dtype", "float32",
@@ -44,7 +51,7 @@ def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
     plain, spec = (r["layers"] for r in results)
     # a 4-token prefill, then decodes of 1 row, or verifications of K + 1 = 3 rows
     assert plain[4]["passes"] == 1 and plain[1]["passes"] == 7 and 3 not in plain
-    assert spec[3]["passes"] >= 1
+    assert spec[3]["passes"] >= 1 and max(spec) <= 4  # (fewer near max_tokens)
     for by_rows in (plain, spec):
         for parts in by_rows.values():
             inside = sum(v for k, v in parts.items() if k not in ("pass", "passes"))
