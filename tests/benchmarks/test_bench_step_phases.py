@@ -40,8 +40,8 @@ def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
     attend_before = (torch_backend.PagedMetadata.attend, torch_backend.TorchMetadata.attend)
     target = save_target(tmp_path / "target")
     save_draft(tmp_path / "draft")
-    # a tree of 7 nodes (depth 3): a fixed K = 2 must still verify a chain of 2, not the 5
-    # nodes within depth 2
+    # a tree of 7 nodes (depth 3): a fixed K = 2 must still verify a chain of 2, not the 6
+    # nodes within depth 2 (7 query rows)
     (tmp_path / "draft" / "tree.json").write_text(json.dumps(
         {"paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]], "conditional": [0.5] * 7}))
     results = bench_step_phases.main([
@@ -51,7 +51,8 @@ def test_layer_parts_fit_inside_the_target_pass(tmp_path, capsys):
     plain, spec = (r["layers"] for r in results)
     # a 4-token prefill, then decodes of 1 row, or verifications of K + 1 = 3 rows
     assert plain[4]["passes"] == 1 and plain[1]["passes"] == 7 and 3 not in plain
-    assert spec[3]["passes"] >= 1 and max(spec) <= 4  # (fewer near max_tokens)
+    # no pass beyond the 4-token prefill: verifications have 3 rows (fewer near max_tokens)
+    assert spec[3]["passes"] >= 1 and max(spec) <= 4
     for by_rows in (plain, spec):
         for parts in by_rows.values():
             inside = sum(v for k, v in parts.items() if k not in ("pass", "passes"))
