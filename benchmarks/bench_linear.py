@@ -1,7 +1,8 @@
-"""The matrix products of a decode step four ways: ``F.linear``, PyTorch's oneDNN-packed
+"""The matrix products of a decode step five ways: ``F.linear``, PyTorch's oneDNN-packed
 weights (``mkldnn._linear_pointwise``, one row padded to ``--pad`` rows as ``layers.linear``
 must for row-count invariance), the direct oneDNN path (``models/onednn.py``, one row as is)
-and, for bf16, the compiled AVX2 panel kernel (``models/panel_linear.py``, one row as is).
+and, for bf16, the compiled AVX2 panel kernel and the AVX512_BF16 pair kernel
+(``models/panel_linear.py``, one row as is).
 
 SmolLM2-135M-Instruct's shapes by default (QKV 576->960, O 576->576, gate/up 576->3072, down
 1536->576 per layer, LM head 576->49152), random weights, a distinct weight per layer as in a
@@ -31,8 +32,8 @@ from models.layers import linear  # noqa: E402
 
 PROJECTIONS = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out), once per layer
 HEAD = (576, 49152)
-WAYS = ("plain", "packed", "direct", "panels")
-INVARIANT = ("direct", "panels")  # the ways whose rows must not depend on the row count
+WAYS = ("plain", "packed", "direct", "panels", "pairs")
+INVARIANT = ("direct", "panels", "pairs")  # the ways whose rows must not depend on the row count
 
 
 def step_weights(dtype: torch.dtype, layers: int, seed: int = 0) -> list[torch.Tensor]:
@@ -55,7 +56,8 @@ def compare(dtype: torch.dtype, rows: int, layers: int, rounds: int, pad: int = 
     except RuntimeError:
         torch_packed = None
     invariant = {way: [pack(w) for w in weights]
-                 for way, pack in (("direct", onednn.pack), ("panels", panel_linear.pack))}
+                 for way, pack in (("direct", onednn.pack), ("panels", panel_linear.pack),
+                                   ("pairs", panel_linear.pack_pairs))}
     invariant = {way: ps for way, ps in invariant.items() if all(p is not None for p in ps)}
 
     runs = {"plain": lambda: [F.linear(inputs[w.shape[1]][:rows], w) for w in weights]}
@@ -95,8 +97,8 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, direct oneDNN "
           f"{direct.version() if direct else 'unavailable: ' + str(onednn.error())}")
     print("| dtype | rows | F.linear ms/step | packed ms/step | direct ms/step | panels ms/step "
-          "| best invariant / packed | invariant rows as in 64 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| pairs ms/step | best invariant / packed | invariant rows as in 64 |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def fmt(v):
         return "-" if v is None else f"{v:.1f}"
@@ -109,7 +111,8 @@ def main() -> None:
             same = ", ".join(f"{w} {'yes' if r[f'same_bits_{w}'] else 'no'}"
                              for w in INVARIANT if r[f"same_bits_{w}"] is not None) or "-"
             print(f"| {name} | {rows} | {fmt(r['plain'])} | {fmt(r['packed'])} | "
-                  f"{fmt(r['direct'])} | {fmt(r['panels'])} | {ratio} | {same} |")
+                  f"{fmt(r['direct'])} | {fmt(r['panels'])} | {fmt(r['pairs'])} | {ratio} | "
+                  f"{same} |")
 
 if __name__ == "__main__":
     main()

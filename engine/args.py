@@ -20,7 +20,7 @@ from engine.config import (
     parse_dtype,
     parse_memory,
 )
-from engine.dtype_choice import auto_dtype
+from engine.dtype_choice import auto_dtype, auto_products
 from models.hf_folder import load_hf_config
 from models.loader import decoder_config
 from models.resolve import DEFAULT_MODEL, builtin_model_name, resolve_model_path
@@ -68,6 +68,7 @@ class EngineArgs:
         dtype = parse_dtype(self.dtype)
         if dtype is None:
             dtype = auto_dtype(hf, torch.device(self.device), self.max_num_seqs)
+        products = auto_products(hf, torch.device(self.device), dtype, self.max_num_seqs)
         max_len = self.max_model_len or dec.max_position_embeddings
         if max_len > dec.max_position_embeddings:
             raise ConfigError(
@@ -86,6 +87,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or self.model,
             seed=self.seed,
             load_format=self.load_format,
+            products=products,
         )
         block_size = self.block_size
         if block_size is None:

@@ -36,6 +36,9 @@ class ModelConfig:
     served_model_name: str
     seed: int = 0
     load_format: str = "auto"  # "dummy": random weights (benchmarks of model shapes, no files)
+    # how bf16 weights are multiplied on the CPU (``models.layers.pack_weight``): measured at
+    # startup, ``engine.dtype_choice.auto_products``
+    products: str = "onednn"
 
 
 @dataclass(frozen=True)

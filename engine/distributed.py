@@ -236,7 +236,8 @@ class TensorParallelGroup:
 
         mc = self.config.model
         return load_target_shard(mc.path, mc.hf_config, mc.dtype, self.max_positions,
-                                 self.device, mc.load_format, 0, self.size, self.comm.all_reduce)
+                                 self.device, mc.load_format, 0, self.size, self.comm.all_reduce,
+                                 products=mc.products)
 
     def setup_workers(self, layout: str, pool: KVPool) -> None:
         """Hand the workers rank 0's resolved layout and block count; each allocates its KV

@@ -13,6 +13,12 @@ panel kernel, ``models/panel_linear.py``, bfloat16 is faster at every size on an
 16.2 / 5.3 / 3.4 / 2.9 / 2.5 ms per token at 1 / 4 / 16 / 32 rows and a prefill step, against
 float32's 36.6 / 10.5 / 5.0 / 3.8 / 2.9.) The result is cached per machine and model shape
 (``engine.measure_cache``) and logged with the figures.
+
+``auto_products``: where bfloat16 serves on a CPU with the AVX512_BF16 pair kernel
+(``models.panel_linear.pack_pairs``), the same decode steps are timed with the bf16 weights
+multiplied by it and by oneDNN (``models.layers.pack_weight``), and the faster by the same
+score is kept, cached alike. Both give every row the same bits whatever the row count, but
+not the same bits as each other, so the choice is made once per machine, not at every start.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from engine import measure_cache
-from models.layers import linear, pack_weight
+from models.layers import PRODUCTS, linear, pack_weight
 
 log = logging.getLogger("specserve.engine")
 
@@ -79,16 +85,7 @@ def auto_dtype(hf_config: dict, device: torch.device, max_num_seqs: int = 64) ->
     key = {"version": CACHE_VERSION, "machine": measure_cache.machine_signature(device),
            "shapes": shapes, "rows": rows}
     path = measure_cache.cache_path("dtype", key)
-    cached = measure_cache.load(path)
-    times = None
-    if cached is not None:
-        try:
-            times = {name: [float(t) for t in cached[name]] for name in DTYPES}
-            if any(len(t) != len(rows) or min(t) <= 0 for t in times.values()):
-                raise ValueError("wrong number of timings")
-        except (KeyError, TypeError, ValueError):
-            log.warning("ignoring measurement cache %s; measuring again", path)
-            times = None
+    times = cached_times(path, DTYPES, len(rows))
     if times is None:
         times = on_a_thread_of_its_own(measure_dtypes, hf_config, device, rows=rows)
         measure_cache.save(path, times)
@@ -99,6 +96,53 @@ def auto_dtype(hf_config: dict, device: torch.device, max_num_seqs: int = 64) ->
              "/".join(f"{1e3 * t:.2f}" for t in times["float32"]),
              "/".join(f"{1e3 * t:.2f}" for t in times["bfloat16"]))
     return getattr(torch, choice)
+
+
+PRODUCTS_CACHE_VERSION = 1
+
+
+def auto_products(hf_config: dict, device: torch.device, dtype: torch.dtype,
+                  max_num_seqs: int = 64) -> str:
+    """How bf16 weights are multiplied (``models.layers.PRODUCTS``): ``"pairs"`` where the
+    AVX512_BF16 pair kernel is built and its decode steps scored faster than oneDNN's (measured
+    once per machine and model shape, cached), else ``"onednn"``."""
+    from models import panel_linear
+
+    if device.type != "cpu" or dtype != torch.bfloat16 or not panel_linear.pairs_available():
+        return "onednn"
+    rows = tuple(r for r in ROWS if r <= max(1, max_num_seqs)) + (PREFILL,)
+    key = {"version": PRODUCTS_CACHE_VERSION, "machine": measure_cache.machine_signature(device),
+           "shapes": model_gemm_shapes(hf_config), "rows": rows}
+    path = measure_cache.cache_path("products", key)
+    times = cached_times(path, PRODUCTS, len(rows))
+    if times is None:
+        times = on_a_thread_of_its_own(measure_dtypes, hf_config, device, rows=rows,
+                                       names=("bfloat16",), products=PRODUCTS)
+        times = {name: times[f"bfloat16/{name}"] for name in PRODUCTS}
+        measure_cache.save(path, times)
+    score = {name: request_score(t) for name, t in times.items()}
+    choice = min(PRODUCTS, key=score.get)  # a tie keeps oneDNN
+    log.info("bf16 products: %s (ms per token, decode at %s rows / a %d-token prefill step: %s)",
+             choice, "/".join(map(str, rows[:-1])), PREFILL,
+             ", ".join(f"{name} " + "/".join(f"{1e3 * t:.2f}" for t in times[name])
+                       for name in PRODUCTS))
+    return choice
+
+
+def cached_times(path, names: tuple[str, ...], count: int) -> dict[str, list[float]] | None:
+    """The cached timings at ``path``, ``count`` positive figures for each of ``names``;
+    ``None`` when missing or unusable (logged), to be measured again."""
+    cached = measure_cache.load(path)
+    if cached is None:
+        return None
+    try:
+        times = {name: [float(t) for t in cached[name]] for name in names}
+        if any(len(t) != count or min(t) <= 0 for t in times.values()):
+            raise ValueError("wrong number of timings")
+        return times
+    except (KeyError, TypeError, ValueError):
+        log.warning("ignoring measurement cache %s; measuring again", path)
+        return None
 
 
 def request_score(times: list[float]) -> float:
@@ -128,13 +172,21 @@ def model_gemm_shapes(hf: dict) -> dict:
 
 
 def measure_dtypes(hf: dict, device: torch.device, names: tuple[str, ...] = DTYPES,
-                   rounds: int = 3, rows: tuple[int, ...] = ROWS) -> dict[str, list[float]]:
+                   rounds: int = 3, rows: tuple[int, ...] = ROWS,
+                   products: tuple[str, ...] | None = None) -> dict[str, list[float]]:
     """Best seconds per dtype of a decode step per token, one figure per batch size in
     ``rows``. The dtypes are timed in alternating rounds, so a stretch of load on the machine
     hits both alike (timed one after the other, a busy second once made bf16 look 5x slower
-    than float32 here, and that answer was cached)."""
-    timers = {name: decode_step_timer(hf, getattr(torch, name), device, rows)
-              for name in names}
+    than float32 here, and that answer was cached). With ``products``, each dtype once per way
+    of packing its weights (``models.layers.pack_weight``), keyed ``"dtype/products"``."""
+    if products is None:
+        timers = {name: decode_step_timer(hf, getattr(torch, name), device, rows)
+                  for name in names}
+    else:
+        timers = {f"{name}/{way}": decode_step_timer(hf, getattr(torch, name), device, rows,
+                                                     products=way)
+                  for name in names for way in products}
+    names = tuple(timers)
     best = {name: [math.inf] * len(rows) for name in names}
     for _ in range(rounds):
         for name, timer in timers.items():
@@ -143,7 +195,8 @@ def measure_dtypes(hf: dict, device: torch.device, names: tuple[str, ...] = DTYP
 
 
 def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
-                       rows: tuple[int, ...] = ROWS) -> Callable[[], list[float]]:
+                       rows: tuple[int, ...] = ROWS,
+                       products: str = "onednn") -> Callable[[], list[float]]:
     """A function that times a decode step of the model once per batch size in ``rows``
     (seconds per token); built and warmed up here.
 
@@ -171,8 +224,8 @@ def decode_step_timer(hf: dict, dtype: torch.dtype, device: torch.device,
     with torch.device(device):
         model = LlamaForCausalLM(cfg, CONTEXT + 8).to(dtype).eval()
     head = model.embed_tokens.weight[:min(full.vocab_size, _HEAD_ROWS_MAX)]
-    model.pack_weights(head=False)  # as loading does; the head timed is a slice, packed here
-    head_packed = pack_weight(head)
+    model.pack_weights(head=False, products=products)  # as loading does; the head timed is a
+    head_packed = pack_weight(head, products)  # slice, packed here
     head_scale = full.vocab_size / head.shape[0]
     block = 16
     names = [f"layers.{i}" for i in range(layers)]

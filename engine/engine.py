@@ -63,7 +63,8 @@ class LLMEngine:
             self.model = self.tp.load_target()
         else:
             self.model = load_target(
-                mc.path, mc.hf_config, mc.dtype, max_positions, self.device, mc.load_format
+                mc.path, mc.hf_config, mc.dtype, max_positions, self.device, mc.load_format,
+                mc.products,
             )
         cfg = self.model.config
         self.target_layers = [f"target.{name}" for name in self.model.layer_names]

@@ -43,7 +43,8 @@ def machine_signature(device: torch.device) -> dict[str, Any]:
                 os.environ.get("SPECSERVE_KERNEL_MARCH", "")],  # and this project's kernels'
         # which of this project's matrix products are switched on (side-by-side runs)
         "products": [os.environ.get("SPECSERVE_ONEDNN", ""),
-                     os.environ.get("SPECSERVE_PANEL_LINEAR", "")],
+                     os.environ.get("SPECSERVE_PANEL_LINEAR", ""),
+                     os.environ.get("SPECSERVE_PAIR_PRODUCTS", "")],
     }
     if device.type == "cuda":
         sig["gpu"] = torch.cuda.get_device_name(device)

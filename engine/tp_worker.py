@@ -66,7 +66,7 @@ def _serve(args: WorkerArgs, store: dist.Store) -> None:
     try:
         model = load_target_shard(mc.path, mc.hf_config, mc.dtype, args.max_positions, device,
                                   mc.load_format, args.rank, args.size, comm.all_reduce,
-                                  with_lm_head=False)
+                                  with_lm_head=False, products=mc.products)
         cfg = model.config
         names = [f"target.{name}" for name in model.layer_names]
         specs = [LayerKVSpec(n, "target", cfg.num_kv_heads, cfg.head_dim, cc.cache_dtype,

@@ -203,15 +203,16 @@ class DFlashDraftModel(nn.Module):
     def layer_names(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.config.num_layers)]
 
-    def pack_weights(self, min_rows: int) -> None:
-        """Pack every projection for the CPU's GEMM as the target's are (``layers.pack_weight``;
-        nothing changes elsewhere), padding small products to the target's ``min_rows``. For
-        serving only, once the weights are final: the plain weights are dropped."""
+    def pack_weights(self, min_rows: int, products: str = "onednn") -> None:
+        """Pack every projection for the CPU's GEMM as the target's are (``layers.pack_weight``
+        with the target's ``products``; nothing changes elsewhere), padding small products to the
+        target's ``min_rows``. For serving only, once the weights are final: the plain weights
+        are dropped."""
         for layer in self.layers:
-            layer.self_attn.pack_kv()  # the context K/V product reads a slice of qkv_proj
+            layer.self_attn.pack_kv(products)  # the context K/V product reads a slice of qkv_proj
         for module in self.modules():
             if isinstance(module, PackedWeight):
-                module.pack()
+                module.pack(products)
                 module.min_rows = min_rows
 
     @property

@@ -49,13 +49,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 Packed = torch.Tensor | DirectPacked  # what pack_weight returns
 
 
-def pack_weight(weight: torch.Tensor) -> Packed | None:
+PRODUCTS = ("onednn", "pairs")  # how bf16 weights are multiplied on the CPU (pack_weight)
+
+
+def pack_weight(weight: torch.Tensor, products: str = "onednn") -> Packed | None:
     """A ``[out, in]`` weight packed for the CPU's oneDNN products in :func:`linear`, or ``None``
     where it cannot be (not on the CPU, another dtype, or a CPU without the ISA it needs, e.g.
     bf16 without AVX-512). Where the direct path builds and its kernel's rows do not depend on
     the row count (:func:`models.onednn.pack`), a :class:`DirectPacked`; else, for bf16 on a CPU
     with AVX2 and FMA, one for the compiled panel kernel (:func:`models.panel_linear.pack`, also
     row-count invariant); else PyTorch's own packed copy (``mkldnn._reorder_linear_weight``).
+    ``products="pairs"``: a bf16 weight goes to the AVX512_BF16 pair kernel
+    (:func:`models.panel_linear.pack_pairs`, row-count invariant) where it is built, before
+    all of those (the engine measures which is faster, ``engine.dtype_choice.auto_products``).
 
     A plain ``F.linear`` re-blocks the weight on every call (bf16) or goes to MKL (fp32). The
     packed products of a SmolLM2-135M step took 0.62-0.82x the time for 1-64 rows in bf16 with
@@ -64,7 +70,10 @@ def pack_weight(weight: torch.Tensor) -> Packed | None:
     ``benchmarks/bench_linear.py``."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    direct = onednn.pack(weight) or panel_linear.pack(weight)
+    if products not in PRODUCTS:
+        raise ValueError(f"unknown products {products!r}; valid: {', '.join(PRODUCTS)}")
+    direct = (panel_linear.pack_pairs(weight) if products == "pairs" else None) or \
+        onednn.pack(weight) or panel_linear.pack(weight)
     if direct is not None:
         return direct
     if not torch.backends.mkldnn.is_available():
@@ -156,8 +165,8 @@ class PackedWeight:
     packed: Packed | None = None
     min_rows: int = 2
 
-    def pack(self) -> None:
-        packed = pack_weight(self.weight)
+    def pack(self, products: str = "onednn") -> None:
+        packed = pack_weight(self.weight, products)
         if packed is not None:
             self.packed = packed
             self.weight = None

@@ -135,10 +135,10 @@ class Attention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, *rope), apply_rotary(k, *rope), v
 
-    def pack_kv(self) -> None:
+    def pack_kv(self, products: str = "onednn") -> None:
         """Keep a packed copy of the K/V rows of the projection for :meth:`kv` (before the
         projection itself is packed and its plain weight dropped)."""
-        self.kv_packed = pack_weight(self.qkv_proj.weight[self.q_size :].contiguous())
+        self.kv_packed = pack_weight(self.qkv_proj.weight[self.q_size :].contiguous(), products)
 
     def kv(self, rope: Rope, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V alone (the DFlash drafts' context K/V of fused target features)."""
@@ -224,17 +224,20 @@ class LlamaForCausalLM(nn.Module):
 
     head_packed: Packed | None = None
     min_rows: int = 2  # padding of small products (``layers.linear``), chosen by pack_weights
+    products: str = "onednn"  # how the bf16 weights were packed (``layers.pack_weight``)
 
-    def pack_weights(self, head: bool = True) -> None:
+    def pack_weights(self, head: bool = True, products: str = "onednn") -> None:
         """Pack the decoder layers' projections (dropping their plain weights) and, with
         ``head``, a copy of the LM head (whose plain weight the embedding and the drafts' heads
         still read) for the CPU's GEMM (``layers.pack_weight``; nothing changes on other
-        devices). The last step of loading: the model must not be moved or cast afterwards."""
+        devices; ``products``: see ``layers.pack_weight``). The last step of loading: the model
+        must not be moved or cast afterwards."""
+        self.products = products
         modules = [m for m in self.layers.modules() if isinstance(m, PackedWeight)]
         for module in modules:
-            module.pack()
+            module.pack(products)
         if head:
-            self.head_packed = pack_weight(self.lm_head_weight)
+            self.head_packed = pack_weight(self.lm_head_weight, products)
         # the padding of 1-row products (same bits whatever it is): the fastest, timed here
         products = [m.packed for m in modules if m.packed is not None]
         if self.head_packed is not None:

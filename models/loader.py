@@ -108,6 +108,7 @@ def load_target(
     max_positions: int,
     device: torch.device,
     load_format: str = "auto",
+    products: str = "onednn",
 ) -> LlamaForCausalLM:
     """Build the target and load its safetensors (``dummy``: small random weights instead)."""
     if load_format not in LOAD_FORMATS:
@@ -123,5 +124,5 @@ def load_target(
                     p.normal_(0.0, 0.02)
     else:
         model.load_weights(iter_safetensors(path))
-    model.pack_weights()
+    model.pack_weights(products=products)
     return model

@@ -161,6 +161,7 @@ def build_target_shard(
 def load_target_shard(
     path: Path, hf: dict[str, Any], dtype: torch.dtype, max_positions: int, device: torch.device,
     load_format: str, rank: int, size: int, all_reduce: AllReduce, with_lm_head: bool = True,
+    products: str = "onednn",
 ) -> LlamaForCausalLM:
     """Rank ``rank``'s shard of the target, its weights read slice by slice (``dummy``: random
     weights, identical on every rank for the replicated tensors). ``with_lm_head=False`` (the
@@ -188,5 +189,5 @@ def load_target_shard(
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     else:
         model.load_weights(iter_shard_weights(path, cfg, rank, size, skip))
-    model.pack_weights(head=with_lm_head)  # the workers never compute logits
+    model.pack_weights(head=with_lm_head, products=products)  # workers never compute logits
     return model

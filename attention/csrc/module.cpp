@@ -26,6 +26,10 @@ bool bf16_linear_available();
 torch::Tensor bf16_linear_pack(torch::Tensor weight);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                           std::optional<torch::Tensor> bias);
+bool bf16_dp_linear_available();
+torch::Tensor bf16_dp_linear_pack(torch::Tensor weight);
+torch::Tensor bf16_dp_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+                             std::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   TORCH_CHECK(paged_attention_self_check(), "paged attention: kSlot does not match reduce16");
@@ -46,6 +50,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether bf16_linear was built (AVX2 and FMA)");
   m.def("bf16_linear_pack", &bf16_linear_pack, "A bf16 weight [N, K] as [N/16, K, 16] panels");
   m.def("bf16_linear", &bf16_linear, "x W^T (+ b), bf16, row-count invariant (CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("bf16_dp_linear_available", &bf16_dp_linear_available,
+        "Whether bf16_dp_linear was built (AVX512_BF16)");
+  m.def("bf16_dp_linear_pack", &bf16_dp_linear_pack,
+        "A bf16 weight [N, K] as panels of input pairs [N/16, K/2, 16] (int32 lanes)");
+  m.def("bf16_dp_linear", &bf16_dp_linear,
+        "x W^T (+ b), bf16 pair products, row-count invariant (CPU)",
         py::arg("x"), py::arg("packed"), py::arg("out_features"), py::arg("bias") = py::none());
   m.def("store_kv", &store_kv, "Write K/V rows to their cache slots (CPU, same dtype)");
 }

@@ -238,7 +238,7 @@ class DFlashProposer:
         draft = draft.to(dtype=config.model.dtype).eval().requires_grad_(False)
         draft.load_weights(iter_draft_weights(path))
         validate_draft_vocab(draft, target)
-        draft.pack_weights(target.min_rows)
+        draft.pack_weights(target.min_rows, target.products)
         args = (draft, target, k, draft_cache.cache_dtype, draft_cache.block_size, device)
         if isinstance(dcfg, DFlash2Config):
             if spec.tree not in (None, "chain"):

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 23  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
+COST_CACHE_VERSION = 24  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
 # 11: one row padded to the fastest row count; 12: packed draft weights, context writes
 # deferred per request; 13: AVX2 kernels' vectors kept in registers; 14: direct oneDNN products;
 # 15: the draft pass priced from the proposer's own times; 16: direct products held to probed
@@ -33,7 +33,8 @@ COST_CACHE_VERSION = 23  # 9: packed weights, attention on two threads sooner; 1
 # the token axis, measured on both sides of the 16-row tile edges; 20: lines past the time
 # budget measured sparsely, not scaled from the line below; 21: bf16 AVX2 panel products;
 # 22: a drafting request runs only the slots its drafts need, priced per slot; 23: every line
-# timed (sparsely past the time budget), none extrapolated from another
+# timed (sparsely past the time budget), none extrapolated from another; 24: bf16 products
+# from the AVX512_BF16 pair kernel where measured faster (the choice in the key)
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
@@ -86,6 +87,7 @@ def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
             "tie_word_embeddings")},
         "dtype": dtype_name(mc.dtype),
+        "products": mc.products,  # the bf16 product kernel (engine.dtype_choice.auto_products)
         "kv": groups,
         "backend": config.attention_backend,
         "block_size": config.cache.block_size,

@@ -1,4 +1,4 @@
-"""``benchmarks/bench_linear.py``: one step's products timed four ways, and the direct and panel
+"""``benchmarks/bench_linear.py``: one step's products timed five ways, and the direct and panel
 rows' bits compared with the same rows inside a larger product."""
 
 from __future__ import annotations
@@ -31,3 +31,14 @@ def test_compare_times_the_panel_kernel_for_bf16_where_it_builds(monkeypatch):
         assert res["panels"] is None
     else:
         assert res["panels"] > 0 and res["same_bits_panels"] is True
+
+
+def test_compare_times_the_pair_kernel_for_bf16_where_it_builds(monkeypatch):
+    monkeypatch.setattr(bench_linear, "PROJECTIONS", ((16, 24), (24, 16)))
+    monkeypatch.setattr(bench_linear, "HEAD", (16, 40))
+    res = bench_linear.compare(torch.bfloat16, 5, layers=2, rounds=2)
+    if panel_linear.pack_pairs(torch.zeros(24, 16, dtype=torch.bfloat16)) is None:
+        assert res["pairs"] is None and res["same_bits_pairs"] is None
+    else:
+        assert res["pairs"] > 0 and res["same_bits_pairs"] is True
+    assert bench_linear.compare(torch.float32, 3, layers=2, rounds=1)["pairs"] is None

@@ -1,4 +1,5 @@
-"""``models/panel_linear.py``: the compiled AVX2 bf16 product. Each output element is one chain
+"""``models/panel_linear.py``: the compiled AVX2 bf16 product (and, where noted, the
+AVX512_BF16 pair kernel beside it, ``test_pair_products.py``). Each output element is one chain
 of fused multiply-adds in input order, then the bias, then one rounding to bf16, so its bits
 are known exactly (emulated here in float64, where each step is exact) and cannot depend on
 the row count, the row's batch mates or the thread split."""
@@ -71,31 +72,44 @@ def test_close_to_the_plain_product_on_model_shapes():
     torch.testing.assert_close(got, x.float() @ w.float().T, rtol=1e-2, atol=2e-2)
 
 
-def test_nan_and_infinity_pass_through():
-    ops = _ops_or_skip()
+KERNELS = [("bf16_linear_available", "bf16_linear_pack", "bf16_linear"),  # AVX2 panels
+           ("bf16_dp_linear_available", "bf16_dp_linear_pack", "bf16_dp_linear")]  # pairs
+
+
+def _kernel_or_skip(available: str, pack: str, run: str):
+    ops = cpu_kernel.load()
+    if ops is None or not getattr(ops, available)():
+        pytest.skip(f"the CPU kernels are built without {run} here")
+    return getattr(ops, pack), getattr(ops, run)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=["panels", "pairs"])
+def test_nan_and_infinity_pass_through(kernel):
+    pack, run = _kernel_or_skip(*kernel)
     x, w, _ = _data(3, 20, 16)
     x[0, 3] = float("nan")
     x[1, 0] = float("inf")
-    y = ops.bf16_linear(x, ops.bf16_linear_pack(w), 20)
+    y = run(x, pack(w), 20)
     assert torch.isnan(y[0]).all()
     ref = x[1:2].double() @ w.double().T
     assert torch.equal(torch.isinf(y[1]), torch.isinf(ref[0]))
 
 
-def test_bad_inputs_are_refused():
-    ops = _ops_or_skip()
+@pytest.mark.parametrize("kernel", KERNELS, ids=["panels", "pairs"])
+def test_bad_inputs_are_refused(kernel):
+    pack, run = _kernel_or_skip(*kernel)
     x, w, b = _data(2, 20, 16)
-    packed = ops.bf16_linear_pack(w)
+    packed = pack(w)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        ops.bf16_linear(x.float(), packed, 20)
+        run(x.float(), packed, 20)
     with pytest.raises(RuntimeError, match="inputs"):
-        ops.bf16_linear(x[:, :8], packed, 20)
-    with pytest.raises(RuntimeError, match="bf16_linear_pack"):
-        ops.bf16_linear(x, packed, 40)
+        run(x[:, :8], packed, 20)
+    with pytest.raises(RuntimeError, match=kernel[1]):
+        run(x, packed, 200)
     with pytest.raises(RuntimeError, match="bias"):
-        ops.bf16_linear(x, packed, 20, b[:5])
+        run(x, packed, 20, b[:5])
     with pytest.raises(RuntimeError, match="2-D bfloat16"):
-        ops.bf16_linear_pack(w.float())
+        pack(w.float())
 
 
 def test_pack_serves_bf16_weights_only_and_can_be_switched_off(monkeypatch):
