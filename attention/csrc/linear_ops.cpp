@@ -98,9 +98,9 @@ constexpr bool kAvailable = false;
 // order, starting from zero, then the bias added in float and the sum rounded to bf16 (to
 // nearest, ties to even): as with the AVX2 panels, no row's bits depend on the row count, the
 // tiling or the thread split.
+constexpr int64_t kDpGroup = 8;  // panels a packed weight is padded to a multiple of
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kDpAvailable = true;
-constexpr int64_t kDpGroup = 8;  // panels a packed weight is padded to a multiple of
 
 // Rows [0, MR) of x (pairs, stride ldx) times panels [0, NB) (panel stride Kp*16) into acc.
 template <int MR, int NB>
@@ -273,7 +273,7 @@ torch::Tensor bf16_dp_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t K = x.size(-1), Kp = (K + 1) / 2, P = (N + kCols - 1) / kCols;
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == Kp && packed.size(2) == kCols &&
                   packed.is_contiguous() && packed.scalar_type() == at::kInt &&
-                  packed.size(0) >= P && packed.size(0) % 8 == 0 && P > 0,
+                  packed.size(0) >= P && packed.size(0) % kDpGroup == 0 && P > 0,
               "bf16_dp_linear: packed must come from bf16_dp_linear_pack for ", N,
               " outputs and ", K, " inputs");
   TORCH_CHECK(K % 2 == 0, "bf16_dp_linear: an odd number of inputs (", K, ")");

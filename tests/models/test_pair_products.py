@@ -92,7 +92,7 @@ def test_pack_weight_takes_the_pairs_only_when_asked():
         pack_weight(w, "mkl")
 
 
-def test_a_model_packs_every_product_and_its_draft_alike(tiny_llama_dir):
+def test_a_model_packs_every_product_with_the_pairs(tiny_llama_dir):
     _ops_or_skip()
     from models.loader import load_target
     from models.hf_folder import load_hf_config
