@@ -260,6 +260,17 @@ def _spec_delta(before: tuple, after: tuple) -> dict:
             "steps_by_k": [x - y for x, y in zip(k1, k0)] if k0 else []}
 
 
+def leading_tree_paths(draft: Path, n: int) -> list[list[int]]:
+    """The first ``n`` paths of the draft's ``tree.json`` (a tree: each path's parent precedes it)."""
+    tree_file = draft / "tree.json"
+    if not tree_file.exists():
+        raise SystemExit(f"--fixed-tree needs {tree_file}")
+    paths = json.loads(tree_file.read_text())["paths"]
+    if not 1 <= n <= len(paths):
+        raise SystemExit(f"--fixed-tree {n}: the draft's tree has {len(paths)} nodes")
+    return [list(p) for p in paths[:n]]
+
+
 def paired_ratios(res: dict[str, dict], name: str, base: str = "none") -> list[float]:
     """``name``'s speed over ``base``'s, batch by batch: each pair ran the same prompts within
     seconds of each other, so a noisy minute of the machine moves one pair, not the median."""
@@ -283,8 +294,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="fixed-K engines to compare (each verifies K drafts every step)")
     p.add_argument("--tree", type=Path, nargs="+", default=[],
                    help="tree.json files (engine.spec.tree): one more adaptive engine each, "
-                        "named after the file, verifying leading nodes of that tree instead of "
-                        "the draft's own; fixed-K engines always verify chains")
+                        "named after the file, verifying leading nodes of that tree (in the "
+                        "file's order, its conditional the prior) instead of the draft's own; "
+                        "fixed-K engines always verify chains")
+    p.add_argument("--fixed-tree", nargs="+", type=int, default=[],
+                   help="fixed engines verifying the draft's first N tree nodes every step "
+                        "(one engine per N; the draft's tree.json, leading paths)")
     p.add_argument("--chain-too", action="store_true",
                    help="also run the adaptive engine on chains (\"tree\": \"chain\")")
     p.add_argument("--lockstep", action="store_true",
@@ -308,11 +323,15 @@ def main(argv: list[str] | None = None) -> None:
     for k in args.fixed_k:
         specs[f"K={k}"] = {"method": "dflash", "model": str(draft), "adaptive": False,
                            "num_speculative_tokens": k, "tree": "chain"}
+    for n in args.fixed_tree:
+        paths = leading_tree_paths(draft, n)
+        specs[f"tree {n}"] = {"method": "dflash", "model": str(draft), "adaptive": False,
+                              "num_speculative_tokens": max(map(len, paths)), "tree": paths}
     if args.chain_too:
         specs["adaptive chain"] = {"method": "dflash", "model": str(draft), "tree": "chain"}
     for path in args.tree:
         specs[f"adaptive {path.stem}"] = {"method": "dflash", "model": str(draft),
-                                          "tree": json.loads(path.read_text())["paths"]}
+                                          "tree": json.loads(path.read_text())}
     specs["adaptive"] = {"method": "dflash", "model": str(draft)}
     systems = list(specs)
     cache = args.measure_cache or Path(tempfile.mkdtemp(prefix="specserve-bench-measurements-"))

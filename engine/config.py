@@ -93,7 +93,8 @@ class SpeculativeConfig:
     adaptive: bool = True
     disable_by_batch_size: int | None = None  # no drafts while more requests than this sample
     # which drafts a DFlash block offers (engine.spec.tree): None = the draft's tree.json if it
-    # ships one, else a chain; "chain"; or a list of rank paths, e.g. [[0], [0, 0], [1]]
+    # ships one, else a chain; "chain"; a list of rank paths, e.g. [[0], [0, 0], [1]]; or a
+    # tree.json's content, {"paths": [...], "conditional": [...]}
     tree: Any = field(default=None, hash=False, compare=False)
 
     @classmethod
@@ -179,14 +180,16 @@ class SpeculativeConfig:
                     f"every slot's alternatives at once), not {method!r}",
                     "speculative_config.tree",
                 )
-            from engine.spec.tree import DraftTree, TreeError
+            from engine.spec.tree import TreeError, tree_from_json
 
             try:
-                DraftTree.from_paths(tree)
+                parsed = tree_from_json(tree)
             except TreeError as exc:
                 raise ConfigError(f"speculative_config.tree: {exc} (or \"chain\")",
                                   "speculative_config.tree") from exc
-            value = {**value, "tree": [list(p) for p in tree]}
+            paths = [list(p) for p in parsed.paths]
+            value = {**value, "tree": paths if parsed.conditional is None else
+                     {"paths": paths, "conditional": list(parsed.conditional)}}
         return cls(**{**value, "method": method})
 
 

@@ -6,8 +6,9 @@ tokens chosen at slots ``1..d-1``. A node of the tree is a *rank path* ``(r_1, .
 ``r_d``-th best of slot ``d`` and its parent is the path without its last rank. A chain of
 ``K`` drafts is the tree of the all-zero paths of length ``1..K``.
 
-Nodes are kept in one fixed order in which every node comes after its parent (the order of how
-often each path was the target's, most often first; ``benchmarks/tree_sim.py``), so the first
+Nodes are kept in one fixed order in which every node comes after its parent (a draft's own
+tree: by each node's measured chance of acceptance, the product of its path's ``conditional``,
+most likely first; an explicit tree: as given), so the first
 ``k`` nodes always form a tree themselves and "verify ``k`` drafts" keeps its meaning: the
 controller picks ``k``, the scheduler takes the first ``k`` nodes. Node ``j`` (1-based) is row
 ``j`` of a verify window whose row 0 is the root (the request's newest token); it sits at
@@ -112,6 +113,28 @@ class DraftTree:
         cond = None if self.conditional is None else [self.conditional[i] for i in keep]
         return DraftTree.from_paths([self.paths[i] for i in keep], cond)
 
+    def reaches(self) -> tuple[float, ...] | None:
+        """Each node's chance of acceptance (the product of ``conditional`` along its path),
+        or ``None`` without a measured ``conditional``."""
+        if self.conditional is None:
+            return None
+        out: list[float] = []
+        for p, c in zip(self.parents, self.conditional):
+            out.append(c * (out[p - 1] if p else 1.0))
+        return tuple(out)
+
+    def by_reach(self) -> DraftTree:
+        """The same nodes, most likely accepted first (by :meth:`reaches`; ties keep their
+        order), so that the first ``k`` nodes are the ``k`` worth most. A child never reaches
+        more than its parent, so parents still come first. Unchanged without ``conditional``."""
+        reach = self.reaches()
+        if reach is None:
+            return self
+        order = sorted(range(self.num_nodes), key=lambda i: -reach[i])
+        assert self.conditional is not None
+        return DraftTree.from_paths([self.paths[i] for i in order],
+                                    [self.conditional[i] for i in order])
+
     def nodes_within(self, max_depth: int, max_nodes: int) -> int:
         """How many leading nodes fit ``max_depth`` accepted tokens and ``max_nodes`` rows."""
         return max(0, min(max_nodes, bisect.bisect_right(self.peaks, max_depth)))
@@ -184,8 +207,11 @@ def load_tree(spec_tree, draft_dir: str | None, k: int, why_not: str | None = No
     """The tree a speculative config asks for, cut to depth ``k``; ``None`` for a chain.
 
     ``spec_tree``: ``None`` (the draft's ``tree.json`` if it ships one, else a chain),
-    ``"chain"``, or a list of rank paths. ``why_not``: why this engine cannot verify trees
-    (:func:`unsupported`): an explicit tree is then an error, a draft's own one is skipped."""
+    ``"chain"``, a list of rank paths, or a tree.json's content (``{"paths": ...,
+    "conditional": ...}``). An explicit tree keeps its order; the draft's own is put in the
+    order of its measured reach (:meth:`DraftTree.by_reach`). ``why_not``: why this engine
+    cannot verify trees (:func:`unsupported`): an explicit tree is then an error, a draft's
+    own one is skipped."""
     if spec_tree == "chain":
         return None
     if spec_tree is not None and why_not is not None:
@@ -199,12 +225,23 @@ def load_tree(spec_tree, draft_dir: str | None, k: int, why_not: str | None = No
             log.info("not verifying the draft's %s (%s): chains", TREE_FILE, why_not)
             return None
         try:
-            data = json.loads(path.read_text())
-            tree = DraftTree.from_paths(data["paths"], data.get("conditional"))
+            tree = tree_from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring %s (%s): verifying chains", path, exc)
             return None
+        cut = tree.truncated(k)
+        tree = None if cut is None else cut.by_reach()
     else:
-        tree = DraftTree.from_paths(spec_tree)
-    tree = tree.truncated(k)
+        tree = tree_from_json(spec_tree).truncated(k)
     return None if tree is None or tree.is_chain else tree
+
+
+def tree_from_json(value) -> DraftTree:
+    """A tree from a list of rank paths or a tree.json's content (``paths`` and, optionally,
+    ``conditional``)."""
+    if isinstance(value, dict):
+        if "paths" not in value or set(value) - {"paths", "conditional"}:
+            raise TreeError(f"a tree object has 'paths' and optionally 'conditional', got keys "
+                            f"{sorted(value)}")
+        return DraftTree.from_paths(value["paths"], value.get("conditional"))
+    return DraftTree.from_paths(value)

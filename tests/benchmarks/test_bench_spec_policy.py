@@ -47,3 +47,17 @@ def test_lockstep_turns_agree_with_batch_turns(tmp_path):
     assert stepped["adaptive"]["outputs"] == stepped["none"]["outputs"]  # greedy: exact
     assert sum(stepped["adaptive"]["steps_by_k"]) >= 6 * 5  # one record per request step
     assert list(cache.glob("measurements/step-costs-*.json"))  # the adaptive engine's costs
+
+
+def test_fixed_tree_takes_the_leading_paths_of_the_drafts_tree(tmp_path):
+    import json
+
+    import pytest
+
+    paths = [[0], [0, 0], [1], [0, 0, 0]]
+    (tmp_path / "tree.json").write_text(json.dumps({"paths": paths}))
+    assert bsp.leading_tree_paths(tmp_path, 3) == paths[:3]
+    with pytest.raises(SystemExit, match="4 nodes"):
+        bsp.leading_tree_paths(tmp_path, 5)
+    with pytest.raises(SystemExit, match="needs"):
+        bsp.leading_tree_paths(tmp_path / "none", 2)

@@ -161,6 +161,52 @@ def test_sampler_tree_rows_of_one_depth_share_a_seeded_draw():
     assert torch.equal(req.generator.get_state(), g.get_state())
 
 
+def test_by_reach_puts_the_likeliest_nodes_first():
+    """Random trees and conditionals: the reordered tree holds the same nodes with the same
+    conditionals, every parent before its children, reaches never increasing, ties in their
+    old order; without a conditional the tree is unchanged."""
+    rng = random.Random(11)
+    for _ in range(200):
+        paths: list[list[int]] = []
+        while len(paths) < rng.randint(1, 20):
+            parent = rng.choice([[]] + paths)
+            child = parent + [rng.randint(0, 3)]
+            if child not in paths:
+                paths.append(child)
+        cond = [rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()]) for _ in paths]
+        t = DraftTree.from_paths(paths, cond)
+        r = t.by_reach()  # from_paths checks that every parent comes first
+        assert dict(zip(r.paths, r.conditional)) == dict(zip(t.paths, t.conditional))
+        reach = r.reaches()
+        assert all(a >= b for a, b in zip(reach, reach[1:]))
+        old = {p: i for i, p in enumerate(t.paths)}
+        for i in range(1, r.num_nodes):
+            if reach[i - 1] == reach[i]:
+                assert old[r.paths[i - 1]] < old[r.paths[i]]
+    plain = DraftTree.from_paths(PATHS)
+    assert plain.by_reach() is plain and plain.reaches() is None
+
+
+def test_draft_tree_in_reach_order_gets_uncapped_gains(tmp_path):
+    """The draft's own tree is verified most likely node first, so the controller's gains
+    (held non-increasing in node order) are the nodes' own chances; an explicit tree, paths
+    or a tree.json's content, keeps its order and has the later node's gain capped."""
+    import json
+
+    file = {"paths": [[0], [0, 0], [0, 0, 0], [1]], "conditional": [0.5, 0.5, 0.5, 0.4]}
+    (tmp_path / "tree.json").write_text(json.dumps(file))
+    own = load_tree(None, str(tmp_path), 7)
+    assert own.paths == ((0,), (1,), (0, 0), (0, 0, 0))
+    assert expected_gains(list(own.conditional), own.parents) == list(own.reaches()) \
+        == [0.5, 0.4, 0.25, 0.125]
+    given = load_tree(file, None, 7)
+    assert given.paths == ((0,), (0, 0), (0, 0, 0), (1,))
+    assert expected_gains(list(given.conditional), given.parents) == [0.5, 0.25, 0.125, 0.125]
+    assert load_tree(file["paths"], None, 7).conditional is None
+    with pytest.raises(TreeError, match="optionally 'conditional'"):
+        load_tree({"paths": [[0], [1]], "weights": [1, 1]}, None, 7)
+
+
 # -- configuration ----------------------------------------------------------------------------------
 
 def test_config_validates_trees():
@@ -172,6 +218,13 @@ def test_config_validates_trees():
     with pytest.raises(ConfigError, match="before its parent") as err:
         SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree": [[0, 0]]})
     assert err.value.param == "speculative_config.tree"
+    obj = {"paths": PATHS, "conditional": [0.5] * 7}
+    assert SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree": obj}).tree == obj
+    with pytest.raises(ConfigError, match="one number in \\[0, 1\\] per path"):
+        SpeculativeConfig.parse({"method": "dflash", "model": "x",
+                                 "tree": {"paths": PATHS, "conditional": [0.5]}})
+    with pytest.raises(ConfigError, match="optionally 'conditional'"):
+        SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree": {"path": PATHS}})
 
 
 def test_load_tree_sources(tmp_path):
