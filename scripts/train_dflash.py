@@ -495,7 +495,8 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
       deeper draft begins as exactly the saved one (the extra layers add nothing to the
       residual stream) and learns what the extra depth buys;
     - another block size: no weight depends on it (positions are rotary), so all load as saved;
-    - a subset of the saved taps: ``fc`` keeps the columns of the taps this run uses.
+    - other taps: ``fc`` keeps the columns of the saved taps this run uses, and a tap the saved
+      draft did not have starts with zero columns (it adds nothing until it is learned).
 
     Its vocabulary mapping is not taken: the run's own, derived from its training data, stays,
     since the draft's weights do not depend on which rows of the frozen head it scores."""
@@ -513,10 +514,10 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
                          "layers, not drop them)")
     taps = (saved.get("dflash_config") or {}).get("target_layer_ids") or []
     want_taps = hf["dflash_config"]["target_layer_ids"]
-    if not set(want_taps) <= set(taps):
-        raise ValueError(f"--init {folder}: taps {taps}, this run has {want_taps} (it may keep "
-                         "a subset of the saved taps, not add others)")
-    fc_cols = tap_columns(taps, want_taps, hf["hidden_size"])
+    if not set(want_taps) & set(taps):
+        raise ValueError(f"--init {folder}: taps {taps}, this run has {want_taps} (it must keep "
+                         "at least one saved tap)")
+    width = hf["hidden_size"]
     if saved.get("architectures") != hf.get("architectures"):
         raise ValueError(f"--init {folder}: a {saved.get('architectures')} draft, this run trains "
                          f"{hf.get('architectures')}")
@@ -528,7 +529,9 @@ def init_from(draft: DFlashDraftModel, hf: dict, folder: Path) -> None:
             if key in (D2T_KEY, "t2d"):
                 continue
             if key == "fc.weight":
-                t = t.index_select(1, fc_cols)
+                t = torch.cat([t[:, taps.index(w) * width:(taps.index(w) + 1) * width]
+                               if w in taps else t.new_zeros(t.shape[0], width)
+                               for w in want_taps], dim=1)
             yield name, t
             if key.startswith(last):
                 zero = key.endswith(("o_proj.weight", "down_proj.weight"))

@@ -581,9 +581,9 @@ def test_init_continues_from_a_saved_draft_with_this_runs_vocabulary(tmp_path):
     with pytest.raises(ValueError, match="no reduced vocabulary"):
         train.saved_draft_vocab(tmp_path / "full")
 
-    wrong, hf3 = train.build_draft(SimpleNamespace(**{**vars(args), "taps": [0, 2]}),
+    wrong, hf3 = train.build_draft(SimpleNamespace(**{**vars(args), "taps": [0]}),
                                    _tiny_target_config(), other_vocab)
-    with pytest.raises(ValueError, match="taps"):
+    with pytest.raises(ValueError, match="at least one saved tap"):
         train.init_from(wrong, hf3, tmp_path / "saved")
 
 
@@ -619,6 +619,34 @@ def test_init_takes_another_block_size_and_a_subset_of_the_taps(tmp_path):
         kept = fewer.fc(torch.cat([x0, x2], dim=-1))
     torch.testing.assert_close(kept, full)
     got = fewer.state_dict()
+    for k, v in saved.state_dict().items():
+        if k != "fc.weight":
+            assert torch.equal(got[k], v), k
+
+
+def test_init_adds_taps_that_start_at_zero(tmp_path):
+    """``--init`` into a run with a tap the saved draft lacks: its ``fc`` columns start at zero,
+    the saved taps keep theirs (in this run's tap order), so the new draft's context feature
+    equals the saved one's whatever the new tap's states are."""
+    from types import SimpleNamespace
+
+    from models.dflash_init import save_draft
+
+    _, frozen, _ = _tiny_setup(tmp_path)
+    args = SimpleNamespace(layers=1, block_size=4, taps=[2, 0], ffn=48, max_positions=64,
+                           seed=5, dflash2=False, refine=0, refine_threshold=0.0)
+    saved, hf = train.build_draft(args, _tiny_target_config(), frozen)
+    save_draft(saved, hf, tmp_path / "saved", dtype=torch.float32)
+    more, hf2 = train.build_draft(SimpleNamespace(**{**vars(args), "taps": [0, 1, 2], "seed": 9}),
+                                  _tiny_target_config(), frozen)
+    train.init_from(more, hf2, tmp_path / "saved")
+    width = hf["hidden_size"]
+    x0, x1, x2 = (torch.randn(3, width) for _ in range(3))
+    with torch.no_grad():
+        torch.testing.assert_close(more.fc(torch.cat([x0, x1, x2], dim=-1)),
+                                   saved.fc(torch.cat([x2, x0], dim=-1)))
+        assert more.fc.weight[:, width:2 * width].abs().max() == 0
+    got = more.state_dict()
     for k, v in saved.state_dict().items():
         if k != "fc.weight":
             assert torch.equal(got[k], v), k
