@@ -53,18 +53,6 @@ def test_each_element_is_the_fused_chain_exactly(n, k):
     assert torch.equal(ops.bf16_linear(x, packed, n), _fma_chain(x, w, None))
 
 
-def test_rows_do_not_depend_on_the_row_count_or_their_neighbours():
-    _ops_or_skip()
-    x, w, b = _data(120, 200, 96)
-    op = panel_linear.pack(w)
-    full = op(x, b)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 47, 48, 49, 100):
-        for start in (0, 5, 19):
-            assert torch.equal(op(x[start:start + m], b), full[start:start + m]), (m, start)
-    assert torch.equal(op(x.view(8, 15, 96), b), full.view(8, 15, 200))  # leading dims kept
-    assert op(x[:0], b).shape == (0, 200)
-
-
 def test_close_to_the_plain_product_on_model_shapes():
     _ops_or_skip()
     x, w, _ = _data(9, 1536, 576)
@@ -81,6 +69,22 @@ def _kernel_or_skip(available: str, pack: str, run: str):
     if ops is None or not getattr(ops, available)():
         pytest.skip(f"the CPU kernels are built without {run} here")
     return getattr(ops, pack), getattr(ops, run)
+
+
+@pytest.mark.parametrize("kernel,pack",
+                         list(zip(KERNELS, [panel_linear.pack, panel_linear.pack_pairs])),
+                         ids=["panels", "pairs"])
+def test_rows_do_not_depend_on_the_row_count_or_their_neighbours(kernel, pack):
+    _kernel_or_skip(*kernel)
+    x, w, b = _data(120, 200, 96)
+    op = pack(w)
+    full = op(x, b)
+    # every tile shape of both kernels (one row; tiles of up to six; chunks of 48)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 47, 48, 49, 100):
+        for start in (0, 5, 19):
+            assert torch.equal(op(x[start:start + m], b), full[start:start + m]), (m, start)
+    assert torch.equal(op(x.view(8, 15, 96), b), full.view(8, 15, 200))  # leading dims kept
+    assert op(x[:0], b).shape == (0, 200)
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=["panels", "pairs"])
