@@ -302,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(one engine per N; the draft's tree.json, leading paths)")
     p.add_argument("--chain-too", action="store_true",
                    help="also run the adaptive engine on chains (\"tree\": \"chain\")")
+    p.add_argument("--fixed-order-too", action="store_true",
+                   help="also run the adaptive engine verifying the tree's nodes in its fixed "
+                        "order (\"tree_order\": \"fixed\"), not each block's confidence order")
     p.add_argument("--lockstep", action="store_true",
                    help="engines take turns step by step, each running a closed loop of "
                         "C requests in flight (measure_lockstep) instead of batch by batch")
@@ -329,6 +332,9 @@ def main(argv: list[str] | None = None) -> None:
                               "num_speculative_tokens": max(map(len, paths)), "tree": paths}
     if args.chain_too:
         specs["adaptive chain"] = {"method": "dflash", "model": str(draft), "tree": "chain"}
+    if args.fixed_order_too:
+        specs["adaptive fixed order"] = {"method": "dflash", "model": str(draft),
+                                         "tree_order": "fixed"}
     for path in args.tree:
         specs[f"adaptive {path.stem}"] = {"method": "dflash", "model": str(draft),
                                           "tree": json.loads(path.read_text())}

@@ -76,6 +76,7 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}", name)
 
 
+TREE_ORDERS = ("confidence", "fixed")  # SpeculativeConfig.tree_order
 SPEC_METHODS = ("dflash", "dflash2", "ngram")  # dflash detects DFlash2 drafts; dflash2 requires one
 
 
@@ -96,6 +97,10 @@ class SpeculativeConfig:
     # ships one, else a chain; "chain"; a list of rank paths, e.g. [[0], [0, 0], [1]]; or a
     # tree.json's content, {"paths": [...], "conditional": [...]}
     tree: Any = field(default=None, hash=False, compare=False)
+    # the order a tree's nodes are verified in: "confidence", each block's own (the product of
+    # its slots' probabilities along a node's path, engine.spec.tree_order), or "fixed", the
+    # tree's order
+    tree_order: str = "confidence"
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -172,6 +177,11 @@ class SpeculativeConfig:
                 f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}",
                 "speculative_config.num_speculative_tokens",
             )
+        order = value.get("tree_order", "confidence")
+        if order not in TREE_ORDERS:
+            raise ConfigError(
+                f"speculative_config.tree_order must be one of {', '.join(TREE_ORDERS)}, "
+                f"got {order!r}", "speculative_config.tree_order")
         tree = value.get("tree")
         if tree is not None and tree != "chain":
             if method != "dflash":

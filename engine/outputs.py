@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.spec.tree import DraftWindow
 
 
 @dataclass
@@ -91,6 +92,8 @@ class StepResult:
     # tree windows: the accepted nodes (1-based window rows, root excluded), in depth order
     accepted_paths: dict[str, list[int]] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # drafts laid out as their own block's tree (Proposer.windows; engine.spec.tree.DraftWindow)
+    draft_windows: dict[str, DraftWindow] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
     elapsed: float = 0.0  # wall seconds the runner spent on the step (models and sampling)
     draft_elapsed: float = 0.0  # the part of ``elapsed`` spent drafting (Proposer.draft_seconds)

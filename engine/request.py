@@ -11,6 +11,7 @@ import torch
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.spec.acceptance import DecayedRates
+from engine.spec.tree import DraftWindow
 
 
 class RequestStatus(enum.Enum):
@@ -34,6 +35,9 @@ class Request:
     num_computed_tokens: int = 0  # positions whose target K/V is valid
     block_table: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    # their tree and confidence when laid out per block (engine.spec.tree_order; None: the
+    # tree's fixed order, or a chain)
+    spec_window: DraftWindow | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

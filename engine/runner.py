@@ -135,6 +135,7 @@ class ModelRunner:
         if self.proposer is not None:
             items = [self._proposal_item(item, row_of, result) for item in plan.scheduled]
             result.drafts = self.proposer.propose(items, captured)
+            result.draft_windows = self.proposer.windows
             result.draft_elapsed = self.proposer.draft_seconds
         result.elapsed = time.perf_counter() - t0
         return result

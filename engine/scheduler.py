@@ -16,6 +16,7 @@ from engine.config import SchedulerConfig
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.request import Request, RequestStatus
 from engine.spec.controller import Candidate, Decision, SpecController
+from engine.spec.tree import window_nodes_within
 
 
 class Scheduler:
@@ -47,7 +48,7 @@ class Scheduler:
             return
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_window = [], None
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -75,7 +76,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens + len(spec), budget)
             if not self._reserve(req, num_new, plan):
                 break  # req itself was preempted; everything after it already was
-            parents = self.tree.window_parents(len(spec)) if self.tree and spec else None
+            parents = self._window_parents(req, len(spec)) if spec else None
             draft = decision.draft if decision is not None else fresh(req, num_new)
             plan.scheduled.append(ScheduledRequest(req, num_new, spec, draft, parents))
             budget -= num_new
@@ -112,9 +113,10 @@ class Scheduler:
                 other += remaining
                 continue
             sampling.append(req.request_id)
+            window = req.spec_window
             cands.append(Candidate(req.spec_rates, len(req.spec_token_ids),
                                    self._spec_room(req, self.config.max_num_batched_tokens),
-                                   remaining))
+                                   remaining, window.confidence if window else None))
         return dict(zip(sampling, ctl.plan(cands, other)))
 
     def _trim_spec(self, req: Request, budget: int) -> list[int]:
@@ -131,7 +133,20 @@ class Scheduler:
         depth = slots
         if req.params.max_tokens is not None:
             depth = max(0, min(depth, req.params.max_tokens - req.num_output_tokens - 1))
+        if req.spec_window is not None:  # drafts laid out per block (engine.spec.tree_order)
+            return window_nodes_within(req.spec_window.parents, len(req.spec_token_ids), depth,
+                                       slots)
         return depth if self.tree is None else self.tree.nodes_within(depth, slots)
+
+    def _window_parents(self, req: Request, k: int) -> list[int] | None:
+        """The tree window of ``req``'s first ``k`` drafts (``None``: a chain)."""
+        if req.spec_window is not None:
+            parents = req.spec_window.parents[:k]
+        elif self.tree is not None:
+            parents = list(self.tree.parents[:k])
+        else:
+            return None
+        return None if all(p == j for j, p in enumerate(parents)) else parents
 
     def _slots(self, req: Request, num_new: int) -> int:
         end = req.num_computed_tokens + num_new
@@ -153,7 +168,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.free(req.block_table)
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_window = [], None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -180,20 +195,23 @@ class Scheduler:
             accepted = result.num_accepted.get(rid, 0)
             req.num_computed_tokens += item.num_valid(accepted)
             if ctl is not None and rid in result.sampled:
-                expected += ctl.expected_tokens(req.spec_rates, len(item.spec_token_ids))
+                # (the window verified: the one kept with the drafts last step)
+                held = req.spec_window.confidence if req.spec_window is not None else None
+                expected += ctl.expected_tokens(req.spec_rates, len(item.spec_token_ids), held)
                 produced += 1 + accepted
                 decoding += item.num_new_tokens == 1 + len(item.spec_token_ids)
                 if req.spec_rates is None:
                     req.spec_rates = ctl.acceptance.new_request()
                 ctl.observe(req.spec_rates, len(item.spec_token_ids), accepted,
-                            result.accepted_paths.get(rid))
-            req.spec_token_ids = []
+                            result.accepted_paths.get(rid), held)
+            req.spec_token_ids, req.spec_window = [], None
             tokens = result.sampled.get(rid, [])
             logprobs = result.logprobs.get(rid)
             kept = self._append(req, tokens, logprobs)
             appended[rid] = kept
             if not req.is_finished and kept:
                 req.spec_token_ids = list(result.drafts.get(rid, []))
+                req.spec_window = result.draft_windows.get(rid)
         if ctl is not None:
             # only decode steps (no prefill chunk, not the last chunk of one, no vanished
             # request) are what the controller chooses between

@@ -155,6 +155,34 @@ class AcceptanceModel:
         self.version += 1
 
 
+@dataclass
+class ConfidenceScale:
+    """How a draft's own confidence in its drafts (``engine.spec.tree_order``) compares with
+    what verification accepts: decayed sums of the confidence of every draft verified and of
+    the drafts accepted, starting from ``prior`` drafts' worth of a calibrated draft.
+    Confidence is a chance computed on the draft's training distribution; served traffic
+    may be harder or easier, so the gains it promises are scaled by what it delivers."""
+
+    decay: float = 0.995  # per verified window
+    prior: float = 16.0
+    predicted: float = 0.0
+    accepted: float = 0.0
+
+    @property
+    def factor(self) -> float:
+        return (self.accepted + self.prior) / (self.predicted + self.prior)
+
+    def gains(self, confidence: list[float]) -> list[float]:
+        """Each held draft's chance of acceptance: its confidence, scaled (at most 1)."""
+        f = self.factor
+        return [min(1.0, f * c) for c in confidence]
+
+    def observe(self, confidence: list[float], num_accepted: int) -> None:
+        """A window verified drafts of these confidences and accepted ``num_accepted``."""
+        self.predicted = self.decay * self.predicted + sum(confidence)
+        self.accepted = self.decay * self.accepted + num_accepted
+
+
 def expected_gains(rates: list[float], parents: tuple[int, ...] | None = None) -> list[float]:
     """``g_j``, the chance that draft ``j`` is accepted: the product of the rates along its
     path (``a_1 * ... * a_j`` for a chain, the default ``parents``). The gains are then held

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.outputs import ScheduledRequest
-from engine.spec.tree import DraftTree
+from engine.spec.tree import DraftTree, DraftWindow
 
 
 @dataclass
@@ -27,7 +27,9 @@ class ProposalItem:
     row: int
     sampled: list[int]
     # the scheduler's choice: drafts to make for the next step (a proposer makes at most this
-    # many and may stop short of it); 0: update the draft context only
+    # many and may stop short of it, except one laying out each block's tree, which makes
+    # every node the slots of that many hold, engine.spec.tree_order); 0: update the draft
+    # context only
     num_drafts: int
 
 
@@ -41,6 +43,9 @@ class Proposer(Protocol):
     # controller prices drafting from it; catching up a context deferred over many plain steps
     # is owed by those steps, not by the choice to draft now)
     draft_seconds: float
+    # the last propose()'s drafts laid out as their own block's tree, not in the tree's fixed
+    # order (engine.spec.tree_order), per request
+    windows: dict[str, DraftWindow]
 
     def use_graphs(self, config, pad) -> None:
         """Run the proposer's model passes from static buffers (``engine.graphs``), if any."""

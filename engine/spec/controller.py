@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.spec.acceptance import AcceptanceModel, DecayedRates
+from engine.spec.acceptance import AcceptanceModel, ConfidenceScale, DecayedRates
 from engine.spec.cost import StepCostModel
 from engine.spec.realized import RealizedGain
 from engine.spec.stats import SpecDecodingStats
@@ -51,6 +51,8 @@ class Candidate:
     available: int  # drafts it holds for this step
     cap: int  # at most this many may be verified (budget, context, max_tokens)
     tokens: int  # query tokens it runs without drafts (1 for decode, a chunk for prefill)
+    # the drafts' own block's chance that each is accepted (engine.spec.tree_order), if known
+    confidence: list[float] | None = None
 
 
 @dataclass
@@ -78,6 +80,9 @@ class SpecController:
         self.slots = slots_needed(tree, k_max)
         self._slot_steps = np.diff(np.asarray(self.slots, float))  # per draft, in order
         self.acceptance = acceptance
+        # how the blocks' own confidence in their drafts compares with verification (drafts
+        # laid out per block, engine.spec.tree_order)
+        self.confidence = ConfidenceScale()
         self.cost = cost
         self.realized = RealizedGain(len(cost.rows)) if cost is not None else None
         self.stats = stats
@@ -242,8 +247,10 @@ class SpecController:
     def _optimal_ks(self, cands: list[Candidate], other_tokens: int, *, verify: bool
                     ) -> tuple[list[int], list[int]]:
         """Per candidate: the drafts worth making for the next step (the draft pass counted)
-        and, with ``verify``, worth verifying now (the pass already paid; else zeros). Both
-        come from one ranking of the extra tokens and one pricing of the step."""
+        and, with ``verify``, worth verifying now (the pass already paid; else zeros). Each
+        comes from one ranking of the extra tokens and one pricing of the step: the drafts to
+        make, from the acceptance model's gains; the drafts held, from their own block's
+        confidence in them where candidates have it (one ranking serves both where none has)."""
         cost = self.cost
         assert cost is not None
         rows = len(cands)
@@ -251,54 +258,80 @@ class SpecController:
         # every possible extra token: its gain (row-major: a request's gains in order) and owner
         table = np.asarray([self.acceptance.gains(c.state) for c in cands])  # [rows, K]
         limit = np.minimum(self.k_max, np.fromiter((c.cap for c in cands), int, rows))
-        usable = (np.arange(table.shape[1]) < limit[:, None]) & (table >= 1e-3)
-        gains = table[usable]
-        owner = np.nonzero(usable)[0]
-        if not gains.size:
-            return none, none
-        order = np.argsort(-gains, kind="stable")  # a request's gains stay in order
-        who = owner[order]
-        expected = rows + np.concatenate(([0.0], np.cumsum(gains[order])))
         base = other_tokens + sum(c.tokens for c in cands)
-        times = cost.step_times(rows, base + np.arange(len(gains) + 1))
-        # the extra token that makes a request draft at all: its first gain, which (gains
-        # usable in a prefix of each row, the sort stable) comes first among its own
-        counts = usable.sum(axis=1)
-        starts = (np.cumsum(counts) - counts)[counts > 0]  # flat index of each first gain
-        rank = np.empty_like(order)
-        rank[order] = np.arange(len(order))
-        first = np.zeros(len(gains) + 1)
-        first[rank[starts] + 1] = 1.0
-        # the draft slots the leading extra tokens occupy in all (a request's drafts in order)
-        steps = np.broadcast_to(self._slot_steps[:table.shape[1]], table.shape)[usable]
-        slots = np.concatenate(([0.0], np.cumsum(steps[order])))
         assert self.realized is not None
         discount = self.realized.correction(cost.row_bucket(rows))
 
-        def best_ks(rates: np.ndarray) -> list[int]:
+        def best_ks(rates: np.ndarray, who: np.ndarray) -> list[int]:
             best = int(np.argmax(rates))  # the first best: fewer drafts on a tie
             if discount * rates[best] < self.min_gain * rates[0]:
                 return none  # within the cost model's error of a plain step: do not speculate
             return np.bincount(who[:best], minlength=rows).tolist()
 
-        drafting = best_ks(expected / (times + cost.draft_times(np.cumsum(first), slots)))
-        return drafting, best_ks(expected / times) if verify else none
+        usable = (np.arange(table.shape[1]) < limit[:, None]) & (table >= 1e-3)
+        ranked = _rank(table, usable)
+        if ranked is None:
+            drafting = none
+        else:
+            order, who, expected = ranked
+            times = cost.step_times(rows, base + np.arange(len(order) + 1))
+            # the extra token that makes a request draft at all: its first gain, which (gains
+            # usable in a prefix of each row, the sort stable) comes first among its own
+            counts = usable.sum(axis=1)
+            starts = (np.cumsum(counts) - counts)[counts > 0]  # flat index of each first gain
+            rank = np.empty_like(order)
+            rank[order] = np.arange(len(order))
+            first = np.zeros(len(order) + 1)
+            first[rank[starts] + 1] = 1.0
+            # the draft slots the leading extra tokens occupy in all (a request's drafts in
+            # order)
+            steps = np.broadcast_to(self._slot_steps[:table.shape[1]], table.shape)[usable]
+            slots = np.concatenate(([0.0], np.cumsum(steps[order])))
+            drafting = best_ks((rows + expected) / (
+                times + cost.draft_times(np.cumsum(first), slots)), who)
+        if not verify:
+            return drafting, none
+        # the drafts held now: the block's own confidence in each, where the proposer gives it
+        # (engine.spec.tree_order), else the acceptance model's gains
+        if any(c.confidence is not None for c in cands):
+            held = np.zeros_like(table)
+            for i, c in enumerate(cands):
+                own = (self.confidence.gains(c.confidence) if c.confidence is not None
+                       else table[i])
+                n = min(len(own), held.shape[1])
+                held[i, :n] = own[:n]
+            usable = (np.arange(held.shape[1]) < limit[:, None]) & (held >= 1e-3)
+            ranked = _rank(held, usable)
+            if ranked is None:
+                return drafting, none
+            order, who, expected = ranked
+            times = cost.step_times(rows, base + np.arange(len(order) + 1))
+        elif ranked is None:
+            return drafting, none
+        return drafting, best_ks((rows + expected) / times, who)
 
     # -- feedback ------------------------------------------------------------------------------
     def observe(self, state: DecayedRates, num_verified: int, num_accepted: int,
-                path: list[int] | None = None) -> None:
+                path: list[int] | None = None, confidence: list[float] | None = None) -> None:
         """One sampling request's step: ``num_verified`` drafts (0: a plain decode);
-        ``path``: the accepted nodes of a tree window."""
+        ``path``: the accepted nodes of a tree window; ``confidence``: the drafts' own
+        block's chance of each (``Candidate.confidence``)."""
         self.stats.observe_choice(num_verified)
         self.acceptance.observe(state, num_verified, num_accepted, path)  # a plain step ages it
+        if confidence is not None and num_verified > 0:
+            self.confidence.observe(confidence[:num_verified], num_accepted)
         if num_verified > 0:
             self.stats.observe(num_verified, num_accepted)
 
-    def expected_tokens(self, state: DecayedRates | None, num_verified: int) -> float:
+    def expected_tokens(self, state: DecayedRates | None, num_verified: int,
+                        confidence: list[float] | None = None) -> float:
         """Tokens a sampling request is expected to produce verifying ``num_verified`` drafts
-        (call before :meth:`observe` folds the outcome in)."""
+        (call before :meth:`observe` folds the outcome in), from its drafts' ``confidence``
+        where the proposer gave it (what the choice was made from)."""
         if num_verified <= 0:
             return 1.0  # a plain decode (most rows of most steps): no curve to evaluate
+        if confidence is not None:
+            return 1.0 + sum(self.confidence.gains(confidence[:num_verified]))
         return 1.0 + sum(self.acceptance.gains(state)[:num_verified])
 
     def draft_slots(self, num_drafts: int) -> int:
@@ -360,3 +393,16 @@ class SpecController:
         if self.on_refined is not None and self._steps_since_save >= self.refine_save_every:
             self._steps_since_save = 0
             self.on_refined(self.cost)
+
+
+def _rank(table: np.ndarray, usable: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The ``usable`` gains of ``table`` (``[rows, K]``) largest first, a request's own kept in
+    order: their order (flat indices into ``table[usable]``), their owners, and the extra
+    tokens the leading ``n`` are expected to add (``n = 0, 1, ...``); ``None``: none usable."""
+    gains = table[usable]
+    if not gains.size:
+        return None
+    order = np.argsort(-gains, kind="stable")
+    return order, np.nonzero(usable)[0][order], np.concatenate(([0.0], np.cumsum(gains[order])))
+

@@ -14,6 +14,7 @@ its candidate selector chooses the tokens.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from pathlib import Path
 
@@ -27,7 +28,15 @@ from engine.graphs import PaddedPasses, PadSpace, QueryShape, draft_sizes
 from engine.kv_pool import KVPool
 from engine.runner import slot_list
 from engine.spec.base import ProposalItem
-from engine.spec.tree import DraftTree, TreeError, load_tree, unsupported
+from engine.spec.tree import (
+    DraftTree,
+    DraftWindow,
+    TreeError,
+    load_tree,
+    slots_needed,
+    unsupported,
+)
+from engine.spec.tree_order import ConfidenceOrder
 from engine.request import Request
 from models.dflash import (
     MASK_EMBEDDING_FILE,
@@ -171,7 +180,11 @@ class DFlashProposer:
         shape = tree if tree is not None else DraftTree.chain(num_speculative_tokens)
         self._width = shape.max_rank + 1
         self._cells = [(d - 1) * self._width + r for d, r in zip(shape.depths, shape.ranks)]
-        self._rows_for = (0, *shape.peaks)
+        self._rows_for = slots_needed(shape, shape.num_nodes)
+        # a tree ordered per block by the draft's confidence (engine.spec.tree_order); the
+        # windows of the last propose(): each request's drafts' tree and confidence
+        self._order = ConfidenceOrder(tree) if tree is not None and tree.dynamic else None
+        self.windows: dict[str, DraftWindow] = {}
         # A request that wants its first few drafts gets the block rows they need alone
         # (models.dflash.BlockRows: the last layer runs only those rows' queries, projection
         # and MLP, and the head scores only them). On the CPU, whose paged attention kernel is
@@ -195,6 +208,7 @@ class DFlashProposer:
         # The rows of the target's LM head the draft scores (all of them, or its reduced
         # vocabulary) and their target ids; selected once here, not per step.
         self._vocab_ids = draft.draft_token_ids
+        self._vocab_list = None if self._vocab_ids is None else self._vocab_ids.tolist()
         head = target.lm_head_weight
         self._head = head if self._vocab_ids is None else head.index_select(0, self._vocab_ids)
         # packed for the CPU's GEMM like the target's head (the full head: the target's copy)
@@ -250,7 +264,8 @@ class DFlashProposer:
             return DFlash2Proposer(*args, seed=config.model.seed)
         try:
             tree = load_tree(spec.tree, spec.model, k,
-                             unsupported(config.attention_backend))
+                             unsupported(config.attention_backend),
+                             dynamic=spec.tree_order == "confidence")
         except TreeError as exc:
             raise ConfigError(f"speculative_config.tree: {exc}", "speculative_config.tree") from exc
         return cls(*args, tree=tree)
@@ -322,6 +337,7 @@ class DFlashProposer:
         if pending.num_bytes > self.max_pending_context_bytes:
             self._write_context(pending.take(bs))
         self.draft_seconds = 0.0
+        self.windows = {}
         if not proposing:
             return {}
         self._write_context(pending.take(bs, [r.request_id for r in proposing]))
@@ -427,6 +443,8 @@ class DFlashProposer:
         is its slot's argmax, a tree node the ``rank``-th best token of its slot."""
         width = self._width
         logits = self.draft_logits(hidden)
+        if self._order is not None:
+            return self._choose_ordered(reqs, logits, rows, counts)
         top = argmax(logits) if width == 1 else logits.topk(width, dim=-1).indices.view(-1)
         pick: list[int] = []
         first = 0
@@ -442,6 +460,29 @@ class DFlashProposer:
         for req, c in zip(reqs, counts):
             drafts[req.request_id] = flat[first:first + c]
             first += c
+        return drafts
+
+
+    def _choose_ordered(self, reqs: list[Request], logits: torch.Tensor, rows: list[int],
+                        counts: list[int]) -> dict[str, list[int]]:
+        """:meth:`choose_rows` for a tree laid out per block (``engine.spec.tree_order``):
+        request ``i`` asked for ``counts[i]`` drafts, whose slots were scored (``rows[i]``), and
+        gets every node those slots hold, most confident first (the slots are paid for, the
+        choice of tokens costs microseconds, and the controller verifies only the ones its
+        block is confident enough in), their windows in :attr:`windows`."""
+        assert self._order is not None
+        top = logits.topk(self._width, dim=-1)
+        logp = top.values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+        scores, ids = logp.tolist(), top.indices.tolist()  # on the host: a few rows each
+        vocab = self._vocab_list
+        drafts: dict[str, list[int]] = {}
+        first = 0
+        for req, r in zip(reqs, rows):
+            _, window, cells = self._order.order(scores[first:first + r], r, self._order.within[r])
+            picked = [ids[first + slot][rank] for slot, rank in cells]
+            drafts[req.request_id] = picked if vocab is None else [vocab[t] for t in picked]
+            self.windows[req.request_id] = window
+            first += r
         return drafts
 
 

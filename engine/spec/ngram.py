@@ -23,6 +23,7 @@ class NgramProposer:
         self.tree = None  # prompt lookup offers one chain
         self.min_n, self.max_n = min_n, max_n
         self.draft_seconds = 0.0
+        self.windows: dict = {}  # chains only (engine.spec.base.Proposer.windows)
 
     def layer_specs(self) -> list:
         return []

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING
 
 from attention.dtypes import dtype_name
 from engine import measure_cache
-from engine.spec.acceptance import DEFAULT_PRIOR, AcceptanceModel, load_seed_curve
+from engine.spec.acceptance import (
+    DEFAULT_PRIOR,
+    AcceptanceModel,
+    expected_gains,
+    load_seed_curve,
+)
 from engine.spec.controller import SpecController
 from engine.spec.cost import StepCostModel, measure_step_costs
 from engine.spec.stats import SpecDecodingStats
@@ -24,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specserve.spec")
 
-COST_CACHE_VERSION = 24  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
+COST_CACHE_VERSION = 25  # 9: packed weights, attention on two threads sooner; 10: fused layer ops;
 # 11: one row padded to the fastest row count; 12: packed draft weights, context writes
 # deferred per request; 13: AVX2 kernels' vectors kept in registers; 14: direct oneDNN products;
 # 15: the draft pass priced from the proposer's own times; 16: direct products held to probed
@@ -34,7 +39,8 @@ COST_CACHE_VERSION = 24  # 9: packed weights, attention on two threads sooner; 1
 # budget measured sparsely, not scaled from the line below; 21: bf16 AVX2 panel products;
 # 22: a drafting request runs only the slots its drafts need, priced per slot; 23: every line
 # timed (sparsely past the time budget), none extrapolated from another; 24: bf16 products
-# from the AVX512_BF16 pair kernel where measured faster (the choice in the key)
+# from the AVX512_BF16 pair kernel where measured faster (the choice in the key); 25: a tree's
+# nodes ordered per block by the draft's confidence (engine.spec.tree_order), in the draft pass
 
 
 def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunner,
@@ -46,7 +52,7 @@ def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunn
     seed = load_seed_curve(spec.model) if spec.model else None
     if tree is not None:
         seed = tree_seed(tree, seed)
-    acceptance = AcceptanceModel(k, seed, parents=tree.parents if tree is not None else None)
+    acceptance = AcceptanceModel(k, seed, parents=acceptance_parents(tree))
     cost, path = None, None
     if spec.adaptive:
         cost, path = step_costs(config, proposer, runner, blocks, groups)
@@ -59,14 +65,32 @@ def build_controller(config: EngineConfig, proposer: Proposer, runner: ModelRunn
     return ctl
 
 
+def acceptance_parents(tree: DraftTree | None) -> tuple[int, ...] | None:
+    """The tree the acceptance model counts drafts in (``None``: a chain). A tree ordered per
+    block (``engine.spec.tree_order``) has no fixed parents: its ``j``-th draft is the block's
+    ``j``-th most likely node, under its first draft in one block and beside it in the next,
+    so each draft's rate is its own chance of acceptance, as if hung from the root. (Counted
+    under the fixed tree's parents, the second draft's rate, learned from blocks where it was
+    the first's sibling and blocks where it was its child, came to 0.20 and was multiplied by
+    the first's 0.45 where the fixed tree made it a child: one stream of held-out chat then
+    verified a single draft at 1,442 of 1,765 steps.)"""
+    if tree is None:
+        return None
+    return (0,) * tree.num_nodes if tree.dynamic else tree.parents
+
+
 def tree_seed(tree: DraftTree, chain: list[float] | None) -> list[float]:
     """Prior acceptance of each node given its parent: the tree's measured ``conditional``
     when it ships one; else the chain's curve at the node's depth for rank 0, halved per rank
-    beyond it (a prior only: live verifications replace it within a few dozen steps)."""
+    beyond it (a prior only: live verifications replace it within a few dozen steps). For a
+    tree ordered per block, each node's chance of acceptance (see
+    :func:`acceptance_parents`), non-increasing."""
     if tree.conditional is not None:
-        return list(tree.conditional)
-    curve = list(chain or [DEFAULT_PRIOR])
-    return [curve[min(d, len(curve)) - 1] * 0.5**r for d, r in zip(tree.depths, tree.ranks)]
+        seed = list(tree.conditional)
+    else:
+        curve = list(chain or [DEFAULT_PRIOR])
+        seed = [curve[min(d, len(curve)) - 1] * 0.5**r for d, r in zip(tree.depths, tree.ranks)]
+    return expected_gains(seed, tree.parents) if tree.dynamic else seed
 
 
 def step_costs(config: EngineConfig, proposer: Proposer, runner: ModelRunner,

@@ -22,6 +22,7 @@ being accepted when its parent is (the acceptance model's seed).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import json
 import logging
@@ -45,6 +46,9 @@ class DraftTree:
     depths: tuple[int, ...]  # depths[j - 1]: node j's slot in the draft block (1-based)
     ranks: tuple[int, ...]  # ranks[j - 1]: node j's rank among its slot's candidates
     conditional: tuple[float, ...] | None = None  # measured P(node | parent accepted)
+    # each block's nodes are verified in the order of the draft's own confidence in them
+    # (engine.spec.tree_order), not in this fixed order
+    dynamic: bool = False
     # peaks[j]: the deepest of nodes 1..j+1 (non-decreasing), so the leading nodes within a
     # depth are a bisection; the scheduler asks for every sampling request every step
     peaks: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -145,13 +149,35 @@ class DraftTree:
         return None if all(p == j for j, p in enumerate(parents)) else parents
 
 
+@dataclass
+class DraftWindow:
+    """Drafts laid out as a tree of their own block's (``engine.spec.tree_order``)."""
+
+    parents: list[int]  # parents[j - 1]: draft j's parent row (0: the root)
+    confidence: list[float]  # the block's own chance that draft j is accepted (non-increasing)
+
+
 def slots_needed(tree: DraftTree | None, num_drafts: int) -> tuple[int, ...]:
     """``out[n]``: the draft block slots (1-based, the first ``out[n]``) that the first ``n``
     drafts occupy, for ``n = 0 .. num_drafts``: ``n`` for a chain, the deepest of its first
-    ``n`` nodes for a tree (what proposing them costs the proposer, and the cost model)."""
+    ``n`` nodes for a tree (what proposing them costs the proposer, and the cost model); for a
+    tree ordered per block (``dynamic``), whose first ``n`` nodes may be a chain, ``n`` up to
+    the tree's depth."""
     if tree is None:
         return tuple(range(num_drafts + 1))
+    if tree.dynamic:
+        return tuple(min(n, tree.max_depth) for n in range(num_drafts + 1))
     return (0, *tree.peaks[:num_drafts])
+
+
+def window_nodes_within(parents: list[int] | None, num_drafts: int, max_depth: int,
+                        max_nodes: int) -> int:
+    """How many leading drafts of a window of ``num_drafts`` (``parents``: its tree, ``None``:
+    a chain) fit ``max_depth`` accepted tokens and ``max_nodes`` rows."""
+    if parents is None:
+        return max(0, min(num_drafts, max_depth, max_nodes))
+    peaks = list(itertools.accumulate(window_depths(parents)[1:], max))
+    return max(0, min(max_nodes, bisect.bisect_right(peaks, max_depth)))
 
 
 def window_depths(parents: list[int]) -> list[int]:
@@ -202,8 +228,8 @@ def unsupported(attention_backend: str) -> str | None:
     return None
 
 
-def load_tree(spec_tree, draft_dir: str | None, k: int, why_not: str | None = None
-              ) -> DraftTree | None:
+def load_tree(spec_tree, draft_dir: str | None, k: int, why_not: str | None = None,
+              dynamic: bool = False) -> DraftTree | None:
     """The tree a speculative config asks for, cut to depth ``k``; ``None`` for a chain.
 
     ``spec_tree``: ``None`` (the draft's ``tree.json`` if it ships one, else a chain),
@@ -211,7 +237,8 @@ def load_tree(spec_tree, draft_dir: str | None, k: int, why_not: str | None = No
     "conditional": ...}``). An explicit tree keeps its order; the draft's own is put in the
     order of its measured reach (:meth:`DraftTree.by_reach`). ``why_not``: why this engine
     cannot verify trees (:func:`unsupported`): an explicit tree is then an error, a draft's
-    own one is skipped."""
+    own one is skipped. ``dynamic``: each block's nodes are verified most confident first
+    (:attr:`DraftTree.dynamic`)."""
     if spec_tree == "chain":
         return None
     if spec_tree is not None and why_not is not None:
@@ -233,7 +260,9 @@ def load_tree(spec_tree, draft_dir: str | None, k: int, why_not: str | None = No
         tree = None if cut is None else cut.by_reach()
     else:
         tree = tree_from_json(spec_tree).truncated(k)
-    return None if tree is None or tree.is_chain else tree
+    if tree is None or tree.is_chain:
+        return None
+    return dataclasses.replace(tree, dynamic=True) if dynamic else tree
 
 
 def tree_from_json(value) -> DraftTree:

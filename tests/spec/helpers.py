@@ -161,6 +161,7 @@ class OracleProposer:
     capture_layers: tuple[int, ...] = ()
     lookahead_slots = 0
     draft_seconds = 0.0
+    windows: dict[str, list[int]] = {}  # chains (or a tree in its fixed order) only
 
     def __init__(self, futures: dict[tuple[int, ...], list[int]], k: int, vocab: int,
                  corrupt: Callable[[int, str], int | None] | None = None) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from engine.spec.acceptance import AcceptanceModel, expected_gains, load_seed_curve
+from engine.spec.acceptance import (
+    AcceptanceModel,
+    ConfidenceScale,
+    expected_gains,
+    load_seed_curve,
+)
 from engine.spec.controller import Candidate, SpecController
 from engine.spec.cost import StepCostModel
 from engine.spec.realized import RealizedGain
@@ -64,6 +70,39 @@ def test_caps_and_available_drafts_bound_the_choice():
     decisions = ctl.plan(cands)
     assert [d.k for d in decisions] == [2, 3, 0]
     assert decisions[2].draft  # holds nothing now, drafts for the next step
+
+
+def test_held_drafts_are_verified_by_their_blocks_confidence():
+    """Drafts laid out per block (engine.spec.tree_order) carry their block's confidence: the
+    drafts verified now follow it (a confident block verifies deep, a doubtful one nothing),
+    while the drafts made for the next step still follow the acceptance model."""
+    ctl = controller(acceptance=0.7, per_token=0.002, draft=0.0)
+    confident = Candidate(None, K, K, 1, [0.99, 0.98, 0.97, 0.96, 0.95, 0.9, 0.9])
+    doubtful = Candidate(None, K, K, 1, [0.05, 0.02, 0.01, 0.0, 0.0, 0.0, 0.0])
+    (sure,) = ctl.plan([confident])
+    assert sure.k == K and sure.draft == 4  # the model's gains alone verify 4 (see above)
+    assert ctl.plan([doubtful])[0].k == 0
+    # two requests: the batch's extra tokens go to the confident one
+    d = ctl.plan([confident, doubtful])
+    assert d[0].k > 0 and d[1].k == 0
+    assert ctl.expected_tokens(None, 2, confident.confidence) == pytest.approx(1 + 0.99 + 0.98)
+
+
+def test_confidence_scale_follows_what_verification_accepts():
+    """A draft more confident than it is accepted (1.6 drafts promised, 1 accepted) is scaled
+    down towards 1 / 1.6 (as far as the prior's 16 drafts let 200 windows' worth of evidence);
+    one window moves the scale a little; gains stay at most 1."""
+    scale = ConfidenceScale()
+    assert scale.factor == 1.0 and scale.gains([0.5, 0.25]) == [0.5, 0.25]
+    scale.observe([0.8, 0.6], 0)
+    assert 0.8 < scale.factor < 1.0
+    for _ in range(2000):
+        scale.observe([0.8, 0.6, 0.2], 1)  # 1.6 promised, 1 delivered
+    # (the decayed sums: 1 and 1.6 per window over 200 windows' worth, with the prior)
+    assert scale.factor == pytest.approx((1 / 0.005 + 16) / (1.6 / 0.005 + 16), rel=1e-3)
+    for _ in range(2000):
+        scale.observe([0.4, 0.2], 1)  # 0.6 promised, 1 delivered
+    assert scale.factor > 1.5 and scale.gains([0.9, 0.5])[0] == 1.0
 
 
 def test_batch_level_choice_spends_extra_tokens_on_the_best_requests():
@@ -533,6 +572,9 @@ def test_draft_slots_are_priced_and_the_pass_refined_without_them():
     # a tree's drafts occupy the slots of their depths: the first five nodes here, three
     tree = DraftTree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0], [2]])
     assert slots_needed(tree, 6) == (0, 1, 1, 2, 2, 3, 3) and slots_needed(None, 3) == (0, 1, 2, 3)
+    # ordered per block, the first n nodes may be a chain: n slots, up to the tree's depth
+    dynamic = dataclasses.replace(tree, dynamic=True)
+    assert slots_needed(dynamic, 6) == (0, 1, 2, 3, 3, 3, 3)
     m = cost_model(per_token=0.002, draft=0.009)
     m.draft_slot = [0.001] * 4
     for _ in range(200):  # one request drafting 4 slots: a 7 ms pass and 3 ms of slots

@@ -42,6 +42,10 @@ class SpyProposer:
     def draft_seconds(self) -> float:
         return self.inner.draft_seconds
 
+    @property
+    def windows(self) -> dict[str, list[int]]:
+        return self.inner.windows
+
     def layer_specs(self):
         return self.inner.layer_specs()
 

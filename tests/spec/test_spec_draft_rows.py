@@ -1,7 +1,8 @@
 """A DFlash proposal for a request that wants only its first few drafts runs only the block
 rows those drafts need (``models.dflash.BlockRows``: the draft's last layer writes every row's
 K/V but runs the kept rows' queries, projection and MLP alone, and the head scores only them).
-Every kept state, and so every draft, must be bitwise what the whole block gives, and the
+Every kept state, and so every draft, must be bitwise what the whole block gives (laid out
+per block, engine.spec.tree_order: the whole block's nodes of those slots, in its order), and the
 engine's output must stay the target's own."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from engine.spec.controller import Decision, SpecController
+from engine.spec.tree import window_depths
 
 from .helpers import (
     add_draft_vocab,
@@ -44,15 +46,17 @@ class CyclingCounts(SpecController):
         return self.step % (self.k_max + 1)
 
 
-@pytest.mark.parametrize("layers,tree,reduced", [(1, None, False), (2, None, True),
-                                                 (1, TREE, True), (2, TREE, False)])
+@pytest.mark.parametrize("layers,tree,reduced,order", [
+    (1, None, False, "fixed"), (2, None, True, "fixed"), (1, TREE, True, "fixed"),
+    (2, TREE, False, "fixed"), (1, TREE, True, "confidence"), (2, TREE, False, "confidence")])
 def test_trimmed_blocks_are_bitwise_the_whole_blocks(tmp_path, qwen3_target, baseline_cache,
-                                                     layers, tree, reduced):
+                                                     layers, tree, reduced, order):
     draft = tmp_path / "draft"
     save_draft(draft, seed=31 + layers, layers=layers)
     if reduced:
         add_draft_vocab(draft, range(0, 256, 2))
-    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 3}
+    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 3,
+            "tree_order": order}
     if tree is not None:
         spec["tree"] = tree
     llm = make_llm(qwen3_target, spec)
@@ -74,13 +78,26 @@ def test_trimmed_blocks_are_bitwise_the_whole_blocks(tmp_path, qwen3_target, bas
 
     def checked_choice(reqs, hidden, rows, counts):
         got = choose_rows(reqs, hidden, rows, counts)
+        windows = dict(prop.windows)
         # every draft from the whole blocks, as ``choose`` takes them
         n, deepest = len(reqs), prop._rows_for[-1]
         states = whole["states"].view(n, q_len, -1)[:, 1:deepest + 1].reshape(n * deepest, -1)
         every = choose_rows(reqs, states, [deepest] * n, [prop.num_drafts] * n)
-        for req, c in zip(reqs, counts):
-            assert len(got[req.request_id]) == c
-            assert got[req.request_id] == every[req.request_id][:c]
+        for req, r, c in zip(reqs, rows, counts):
+            rid = req.request_id
+            if order == "fixed":
+                assert len(got[rid]) == c
+                assert got[rid] == every[rid][:c]
+                continue
+            # laid out per block: every node of the scored slots, in the whole block's order
+            depths = window_depths(prop.windows[rid].parents)[1:]
+            kept = [j for j, d in enumerate(depths) if d <= r]
+            assert len(got[rid]) == len(kept) >= c
+            assert got[rid] == [every[rid][j] for j in kept]
+            row = {j: i for i, j in enumerate(kept, start=1)}
+            whole_parents = prop.windows[rid].parents
+            assert windows[rid].parents == [row[whole_parents[j] - 1] if whole_parents[j] else 0
+                                            for j in kept]
         seen.append((rows, counts))
         return got
 

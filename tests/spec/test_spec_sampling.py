@@ -95,6 +95,7 @@ class MostLikelyProposer:
     capture_layers = ()
     lookahead_slots = 0
     draft_seconds = 0.0
+    windows: dict[str, list[int]] = {}  # chains (or a tree in its fixed order) only
 
     def __init__(self, hf, k):
         self.hf, self.num_speculative_tokens = hf, k

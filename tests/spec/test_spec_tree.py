@@ -3,6 +3,8 @@ and end to end: outputs equal plain decoding's, token for token, whichever branc
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 
 import pytest
@@ -13,6 +15,7 @@ from engine.config import ConfigError, SpeculativeConfig
 from engine.request import Request
 from engine.sampler import RowGroup, Sampler
 from engine.spec.acceptance import AcceptanceModel, expected_gains
+from engine.spec.policy import acceptance_parents, tree_seed
 from engine.spec.tree import (
     DraftTree,
     TreeError,
@@ -20,7 +23,9 @@ from engine.spec.tree import (
     load_tree,
     window_depths,
     window_masks,
+    window_nodes_within,
 )
+from engine.spec.tree_order import ConfidenceOrder
 
 from .helpers import assert_same_tokens, greedy, make_llm, random_prompts, token_ids
 
@@ -187,6 +192,80 @@ def test_by_reach_puts_the_likeliest_nodes_first():
     assert plain.by_reach() is plain and plain.reaches() is None
 
 
+def _random_tree(rng: random.Random, max_nodes: int = 20, max_rank: int = 3) -> DraftTree:
+    paths: list[list[int]] = []
+    while len(paths) < rng.randint(1, max_nodes):
+        parent = rng.choice([[]] + paths)
+        child = parent + [rng.randint(0, max_rank)]
+        if child not in paths:
+            paths.append(child)
+    return DraftTree.from_paths(paths)
+
+
+def test_confidence_order_is_each_blocks_likeliest_first():
+    """Random trees and blocks of slot probabilities (some exactly 1, some tied): the nodes
+    kept are the most confident first (the product of their path's probabilities, computed
+    here node by node), ties in the tree's order, nodes past the block's slots last; every
+    prefix is a tree (a parent's row comes before its child's), and the window parents and
+    cells are those of the nodes kept."""
+    rng = random.Random(5)
+    for _ in range(300):
+        tree = _random_tree(rng)
+        order = ConfidenceOrder(tree)
+        rows = rng.randint(1, tree.max_depth)
+        probs = [[rng.choice([1.0, 0.5, 0.25, rng.random() + 1e-9]) for _ in range(order.width)]
+                 for _ in range(rows)]
+        count = rng.randint(1, tree.num_nodes)
+        kept, window, cells = order.order([[math.log(v) for v in row] for row in probs],
+                                          rows, count)
+        parents = window.parents
+
+        def conf(j):
+            out = 1.0
+            for d, r in enumerate(tree.paths[j]):
+                if d >= rows:
+                    return -1.0  # past the block's slots
+                out *= probs[d][r]
+            return out
+
+        want = sorted(range(tree.num_nodes), key=lambda j: (-conf(j), j))[:count]
+        assert [round(conf(j), 9) for j in kept] == [round(conf(j), 9) for j in want]
+        assert window.confidence == pytest.approx([max(0.0, conf(j)) for j in kept])
+        assert len(set(kept)) == count
+        row_of = {node: k for k, node in enumerate(kept, start=1)}
+        for k, node in enumerate(kept, start=1):
+            p = tree.parents[node]
+            assert parents[k - 1] == (row_of[p - 1] if p else 0) < k  # the parent is kept, before
+            assert cells[k - 1] == (tree.depths[node] - 1, tree.ranks[node])
+
+
+def test_window_nodes_within_counts_a_windows_leading_nodes():
+    parents = [0, 0, 1, 3, 2]  # depths 1, 1, 2, 3, 2
+    assert window_nodes_within(parents, 5, 1, 10) == 2
+    assert window_nodes_within(parents, 5, 2, 10) == 3
+    assert window_nodes_within(parents, 5, 3, 10) == 5
+    assert window_nodes_within(parents, 5, 3, 4) == 4
+    assert window_nodes_within(None, 5, 3, 10) == 3  # a chain
+    assert window_nodes_within(None, 2, 3, 10) == 2
+
+
+def test_acceptance_of_a_tree_ordered_per_block_counts_each_drafts_own_chance():
+    """Ordered per block, draft j's parent changes from block to block: the acceptance model
+    counts each draft as hung from the root (its own chance of acceptance), seeded with the
+    fixed tree's reaches, so its gains are those rates; a fixed tree keeps its parents."""
+    tree = DraftTree.from_paths([[0], [0, 0], [1]], [0.5, 0.6, 0.2])
+    dynamic = dataclasses.replace(tree, dynamic=True)
+    assert acceptance_parents(tree) == (0, 1, 0) and acceptance_parents(None) is None
+    assert acceptance_parents(dynamic) == (0, 0, 0)
+    assert tree_seed(tree, None) == [0.5, 0.6, 0.2]
+    assert tree_seed(dynamic, None) == pytest.approx([0.5, 0.3, 0.2])
+    model = AcceptanceModel(3, tree_seed(dynamic, None), parents=acceptance_parents(dynamic))
+    assert model.gains(None) == pytest.approx([0.5, 0.3, 0.2])
+    state = model.new_request()
+    model.observe(state, 3, 1, [2])  # this block's second draft (say [1]) was accepted
+    assert state.trials == [1.0, 1.0, 1.0] and state.hits == [0.0, 1.0, 0.0]
+
+
 def test_draft_tree_in_reach_order_gets_uncapped_gains(tmp_path):
     """The draft's own tree is verified most likely node first, so the controller's gains
     (held non-increasing in node order) are the nodes' own chances; an explicit tree, paths
@@ -225,6 +304,12 @@ def test_config_validates_trees():
                                  "tree": {"paths": PATHS, "conditional": [0.5]}})
     with pytest.raises(ConfigError, match="optionally 'conditional'"):
         SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree": {"path": PATHS}})
+    assert ok.tree_order == "confidence"
+    assert SpeculativeConfig.parse({"method": "dflash", "model": "x",
+                                    "tree_order": "fixed"}).tree_order == "fixed"
+    with pytest.raises(ConfigError, match="tree_order must be one of confidence, fixed") as err:
+        SpeculativeConfig.parse({"method": "dflash", "model": "x", "tree_order": "reach"})
+    assert err.value.param == "speculative_config.tree_order"
 
 
 def test_load_tree_sources(tmp_path):
@@ -238,6 +323,7 @@ def test_load_tree_sources(tmp_path):
     with pytest.raises(TreeError, match="no masks"):
         load_tree(PATHS, None, 7, why_not="no masks")
     assert load_tree("chain", str(tmp_path), 7) is None
+    assert not t.dynamic and load_tree(None, str(tmp_path), 2, dynamic=True).dynamic
     assert load_tree([[0], [0, 0]], None, 7) is None  # a chain spelled as paths
     (tmp_path / "tree.json").write_text("{broken")
     assert load_tree(None, str(tmp_path), 7) is None
@@ -258,6 +344,7 @@ class TreeOracle:
     capture_layers: tuple[int, ...] = ()
     lookahead_slots = 0
     draft_seconds = 0.0
+    windows: dict[str, list[int]] = {}  # chains (or a tree in its fixed order) only
 
     def __init__(self, futures, tree: DraftTree, vocab: int, seed: int = 0) -> None:
         self.futures, self.tree, self.vocab = futures, tree, vocab
@@ -290,9 +377,9 @@ class TreeOracle:
         return out
 
 
-def _tree_llm(target, draft, **kw):
+def _tree_llm(target, draft, tree_order="confidence", **kw):
     return make_llm(target, {"method": "dflash", "model": str(draft), "num_speculative_tokens": 3,
-                             "tree": TREE}, **kw)
+                             "tree": TREE, "tree_order": tree_order}, **kw)
 
 
 @pytest.mark.parametrize("layout,cache_dtype", [("NHD", "auto"), ("HND", "bfloat16")])
@@ -350,14 +437,32 @@ def test_tree_oracle_tensor_parallel_equals_plain(qwen3_target, draft_dir, basel
         torch.set_num_threads(threads)
 
 
-def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, baseline_cache):
-    """The real DFlash proposer offering a tree: greedy and seeded outputs equal plain ones."""
+@pytest.mark.parametrize("order", ["confidence", "fixed"])
+def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, baseline_cache, order):
+    """The real DFlash proposer offering a tree, its nodes in each block's confidence order or
+    in the tree's: greedy and seeded outputs equal plain ones. In confidence order the
+    windows' trees are not all the fixed one's (the nodes were reordered)."""
     want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS)
-    llm = _tree_llm(qwen3_target, draft_dir)
+    llm = _tree_llm(qwen3_target, draft_dir, tree_order=order)
+    proposer, windows = llm.engine.proposer, []
+    propose = proposer.propose
+
+    def spy(items, captured):
+        out = propose(items, captured)
+        windows.extend(w.parents for w in proposer.windows.values())
+        return out
+
+    proposer.propose = spy
     assert_same_tokens(token_ids(llm.generate(PROMPTS, [greedy(m) for m in MAX_TOKENS])), want,
                        "dflash tree")
     stats = llm.get_spec_decoding_stats()
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts * len(TREE) // 2
+    fixed = list(proposer.tree.parents)
+    if order == "fixed":
+        assert windows == []
+    else:
+        assert windows and any(w != fixed for w in windows)
+        assert all(p <= j for w in windows for j, p in enumerate(w))  # parents first
     params = [SamplingParams(max_tokens=m, temperature=0.8, top_k=40, seed=9 + i,
                              ignore_eos=True) for i, m in enumerate(MAX_TOKENS)]
     plain = make_llm(qwen3_target, None)
