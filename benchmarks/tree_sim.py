@@ -19,11 +19,19 @@ ships (``engine.spec.tree``: the engine verifies such trees).
 
     python benchmarks/tree_sim.py DATA_DIR [--draft DRAFT] [--nodes 2 4 8 16 32]
     python benchmarks/tree_sim.py DATA_DIR --val-split 200 --write-tree DRAFT/tree.json
+
+``--confidence`` measures instead how well the draft's own probabilities predict acceptance
+(per slot, by probability) and what ordering each block's tree by them buys
+(``engine.spec.tree_order``): the first n nodes of a 32-node frequency tree in its order
+against the n the block is most confident in.
+
+    python benchmarks/tree_sim.py DATA_DIR --confidence --nodes 2 4 8 16 --limit 400
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import sys
 from collections import Counter
 from pathlib import Path
@@ -108,6 +116,52 @@ def tree_file(seqs: list[list[list[int]]], nodes: int) -> dict:
             "conditional": [round(h / t, 4) if t else 0.0 for h, t in zip(hits, trials)]}
 
 
+def confidence_tree(tree: list[Path_], probs: list[list[float]], n: int) -> set[Path_]:
+    """The ``n`` nodes of ``tree`` (paths in order, parents first) a block with slot
+    probabilities ``probs`` (``[slot][rank]``) is most confident in: by the product of their
+    path's probabilities, ties in the tree's order (``engine.spec.tree_order``)."""
+    def confidence(path: Path_) -> float:
+        out = 1.0
+        for d, r in enumerate(path):
+            out *= probs[d][r] if r < len(probs[d]) else 0.0
+        return out
+
+    return set(sorted(tree, key=confidence, reverse=True)[:n])
+
+
+def walk_blocks(seqs: list[list[list[int]]], probs: list[list[list[list[float]]]], accepts
+                ) -> float:
+    """:func:`walk` where ``accepts(ranks, probs)`` also sees the block's slot probabilities."""
+    tokens = steps = 0
+    for ranks, block in zip(seqs, probs):
+        p = 0
+        while p < len(ranks):
+            gained = accepts(ranks[p], block[p]) + 1
+            tokens, steps, p = tokens + gained, steps + 1, p + gained
+    return tokens / max(1, steps)
+
+
+def calibration(seqs: list[list[list[int]]], probs: list[list[list[list[float]]]],
+                slots: int = 3, edges: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0)
+                ) -> list[dict]:
+    """How often slot ``d``'s best token is the target's, given that slots ``1..d-1`` were
+    (a chain walked that far), by the draft's probability of it: one row per slot and
+    probability bin, every anchor counted."""
+    counts = [[[0, 0] for _ in edges[:-1]] for _ in range(slots)]
+    for ranks, block in zip(seqs, probs):
+        for row, ps in zip(ranks, block):
+            for d in range(min(slots, len(row))):
+                b = min(len(edges) - 2, max(0, bisect.bisect_right(edges, ps[d][0]) - 1))
+                counts[d][b][0] += row[d] == 0
+                counts[d][b][1] += 1
+                if row[d] != 0:
+                    break
+    return [{"slot": d + 1, "bin": f"{lo:.1f}-{hi:.1f}", "anchors": n,
+             "accepted": hit / n if n else float("nan")}
+            for d in range(slots)
+            for (lo, hi), (hit, n) in zip(zip(edges, edges[1:]), counts[d])]
+
+
 def step_ms(rows: int, costs: list[float], row_ms: float) -> float:
     return costs[rows] if rows < len(costs) else costs[-1] + row_ms * (rows - len(costs) + 1)
 
@@ -134,14 +188,41 @@ def simulate(seqs: list[list[list[int]]], nodes: list[int], fit_fraction: float,
 
 
 def measure_ranks(data: Path, draft_dir: Path, model: str, taps: list[int],
-                  val_split: int = 0) -> list[list[list[int]]]:
+                  val_split: int = 0, width: int = 0, limit: int | None = None) -> list:
+    """Per sequence, its slot ranks (``train_dflash.slot_ranks``); with ``width``, the pair
+    (ranks, each slot's ``width`` largest probabilities)."""
+    import torch
     import train_dflash as td
 
     draft, frozen = load_draft(draft_dir, model)
     seqs = td.load_sequences(data, taps)
     if val_split:
         seqs = td.split_sequences(seqs, val_split, 0)[0]
-    return [td.slot_ranks(draft, frozen, seq).tolist() for seq in seqs]
+    out = []
+    with torch.no_grad():
+        for seq in seqs[:limit]:
+            got = td.slot_ranks(draft, frozen, seq, width=width)
+            out.append((got[0].tolist(), got[1].tolist()) if width else got.tolist())
+    return out
+
+
+def confidence_rows(seqs: list[list[list[int]]], probs: list[list[list[list[float]]]],
+                    nodes: list[int], fit_fraction: float, tree_nodes: int) -> list[dict]:
+    """Acceptance of the first ``n`` nodes of a ``tree_nodes``-node frequency tree (fitted on
+    the first ``fit_fraction`` of the sequences, measured on the rest) in the tree's order
+    and in each block's confidence order."""
+    cut = int(len(seqs) * fit_fraction)
+    tree = frequency_tree(seqs[:cut], tree_nodes)
+    held, held_probs = seqs[cut:], probs[cut:]
+    rows = []
+    for n in nodes:
+        if n > len(tree):
+            break
+        fixed = set(tree[:n])
+        rows.append({"nodes": n, "fixed": walk(held, lambda r, t=fixed: tree_accepts(r, t)),
+                     "confidence": walk_blocks(held, held_probs, lambda r, p, n=n: tree_accepts(
+                         r, confidence_tree(tree, p, n)))})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,9 +244,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--write-tree", type=Path, default=None,
                    help="write tree.json (--tree-nodes paths fitted on all the sequences) here")
     p.add_argument("--tree-nodes", type=int, default=8)
+    p.add_argument("--confidence", action="store_true",
+                   help="instead: how the draft's own slot probabilities predict acceptance, "
+                        "and the first --nodes of a 32-node tree in its order against each "
+                        "block's confidence order (engine.spec.tree_order)")
+    p.add_argument("--limit", type=int, default=None, help="the first N sequences only")
     args = p.parse_args(argv)
+    if args.confidence:
+        both = [s for s in measure_ranks(args.data, args.draft, args.model, args.taps,
+                                         args.val_split, width=8, limit=args.limit) if s[0]]
+        seqs, probs = [s[0] for s in both], [s[1] for s in both]
+        print(f"{args.data}: {len(seqs)} sequences, {sum(map(len, seqs))} anchors")
+        print("| slot | draft's probability of its best token | anchors | accepted |")
+        print("|---|---|---|---|")
+        for r in calibration(seqs, probs):
+            print(f"| {r['slot']} | {r['bin']} | {r['anchors']} | {r['accepted']:.2f} |")
+        rows = confidence_rows(seqs, probs, args.nodes, args.fit_fraction, 32)
+        print(f"\nfirst n nodes of a 32-node tree fitted on {int(len(seqs) * args.fit_fraction)}"
+              " sequences, walked on the rest")
+        print("| nodes verified | tree's order | each block's confidence order |")
+        print("|---|---|---|")
+        for r in rows:
+            print(f"| {r['nodes']} | {r['fixed']:.3f} | {r['confidence']:.3f} |")
+        return
     seqs = [s for s in measure_ranks(args.data, args.draft, args.model, args.taps,
-                                     args.val_split) if s]
+                                     args.val_split, limit=args.limit) if s]
     if args.write_tree is not None:
         import json
 

@@ -292,16 +292,18 @@ def block_inputs(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, anchors
 
 
 @torch.no_grad()
-def slot_ranks(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, chunk: int = 64
-               ) -> torch.Tensor:
+def slot_ranks(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, chunk: int = 64,
+               width: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``[A, B-1]``: for a block anchored at every response position but the last, the rank of
     the target's token among the draft's scores at each slot (0: the draft's greedy choice),
     from one block pass of a DFlash draft. A token past the end or outside the draft vocabulary
-    ranks ``frozen.head.shape[0]`` (never proposed). The input of tree simulations."""
+    ranks ``frozen.head.shape[0]`` (never proposed). The input of tree simulations. With
+    ``width``, also ``[A, B-1, width]``: each slot's ``width`` largest probabilities (the
+    draft's softmax over its vocabulary), best first: its confidence in its candidates."""
     b = draft.config.block_size
     anchors = list(range(seq.prompt_len, seq.ids.shape[0] - 1))
     never = frozen.head.shape[0]
-    out = []
+    out, probs = [], []
     for i in range(0, len(anchors), chunk):
         part = anchors[i : i + chunk]
         feats, emb, pos, mask, lab = block_inputs(draft, frozen, seq, part)
@@ -314,7 +316,9 @@ def slot_ranks(draft: DFlashDraftModel, frozen: Frozen, seq: Sequence, chunk: in
         mine = scores.gather(-1, target.clamp_min(0)[..., None])
         ranks = (scores > mine).sum(-1)
         out.append(torch.where(known, ranks, torch.full_like(ranks, never)))
-    return torch.cat(out)
+        if width:
+            probs.append(scores.softmax(-1).topk(width, dim=-1).values)
+    return (torch.cat(out), torch.cat(probs)) if width else torch.cat(out)
 
 
 def sequence_loss(

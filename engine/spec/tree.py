@@ -10,7 +10,9 @@ Nodes are kept in one fixed order in which every node comes after its parent (a 
 tree: by each node's measured chance of acceptance, the product of its path's ``conditional``,
 most likely first; an explicit tree: as given), so the first
 ``k`` nodes always form a tree themselves and "verify ``k`` drafts" keeps its meaning: the
-controller picks ``k``, the scheduler takes the first ``k`` nodes. Node ``j`` (1-based) is row
+controller picks ``k``, the scheduler takes the first ``k`` nodes (by default each block
+reorders them by its own confidence, ``engine.spec.tree_order``; any prefix is still a tree,
+laid out from the block's ``DraftWindow``). Node ``j`` (1-based) is row
 ``j`` of a verify window whose row 0 is the root (the request's newest token); it sits at
 position ``root + depth(j)`` and sees its ancestors and itself (the attention tree mask).
 

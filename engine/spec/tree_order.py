@@ -4,17 +4,23 @@ A DFlash block gives, at every slot, a probability for each candidate token; a n
 *confidence* is the product of its path's probabilities (the block's own chance that the
 node's tokens are the target's). These probabilities are close to calibrated: on 67,189
 anchors of a piece of self-written chat, self-instruct and GSM8K answers the shipped draft never
-trained on, a first slot of probability 0.1-0.2 was accepted 15% of the time, one of 0.5-0.6
-52% and one above 0.9 96%; deeper slots given their parents alike (``docs/draft_data.md``,
-"Twenty-third step"). So where a fixed order verifies the nodes most often accepted on
-average, this one verifies, block by block, the nodes most likely accepted in this block: in a
-simulated one-stream walk of held-out answers, the first 4 of the shipped 32-node tree so
-ordered were accepted 2.09 tokens a step against 1.98 in the fixed order (chat), the first 8
-2.30 against 2.17.
+trained on, a first slot whose best token had probability 0-0.2 was accepted 13% of the time,
+0.4-0.6 48%, above 0.9 96%, and the second and third slots (where the chain reached them)
+alike (``benchmarks/tree_sim.py --confidence``; ``docs/draft_data.md``, "Twenty-third step").
+So where a fixed order verifies the nodes most often accepted on average, this one verifies,
+block by block, the nodes most likely accepted in this block: in a simulated one-stream walk
+of those answers, the first 4 nodes of a 32-node tree so ordered were accepted 2.14 tokens a
+step against 2.05 in the tree's order, the first 8 2.37 against 2.25 (programming requests:
+2.02 against 1.93, 2.22 against 2.08).
 
 A node's confidence never exceeds its parent's, and ties keep the fixed order (parents come
 first in it), so every prefix of the new order is a tree: "verify ``k`` drafts" keeps its
-meaning.
+meaning. Served (``speculative_config.tree_order``, "confidence" by default): the proposer
+makes every node of the slots it scores, in this order, and hands each request a
+``DraftWindow`` (the nodes' parents and confidences); the controller verifies the leading
+drafts their confidence says pay (scaled by what verification has accepted,
+``engine.spec.acceptance.ConfidenceScale``), and chooses how many to make from the acceptance
+model as before.
 """
 
 from __future__ import annotations

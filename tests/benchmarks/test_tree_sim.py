@@ -59,3 +59,33 @@ def test_simulate_prices_rows_and_extrapolates_past_the_measured_costs():
     assert ts.step_ms(5, costs, 1.0) == 14.0 and ts.step_ms(3, costs, 1.0) == 12.0
     with pytest.raises(ValueError, match="too few"):
         ts.simulate(seqs[:1], [2], 0.5, costs, 2.0, 1.0)
+
+
+def test_confidence_tree_takes_the_blocks_likeliest_nodes_in_tree_order_on_ties():
+    tree = [(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    probs = [[0.5, 0.4], [0.9, 0.05]]
+    # confidences: (0,) .5, (1,) .4, (0,0) .45, (0,1) .025, (1,0) .36
+    assert ts.confidence_tree(tree, probs, 2) == {(0,), (0, 0)}
+    assert ts.confidence_tree(tree, probs, 4) == {(0,), (0, 0), (1,), (1, 0)}
+    tied = [[0.5, 0.5], [1.0, 0.0]]  # (1,) and (0, 0) tie with (0,): the tree's order
+    assert ts.confidence_tree(tree, tied, 2) == {(0,), (1,)}
+
+
+def test_calibration_counts_each_slot_where_the_chain_reached_it():
+    ranks = [[[0, 0, 1], [0, 1, 0], [1, 0, 0]]]
+    probs = [[[[0.95]] * 3, [[0.3], [0.7], [0.1]], [[0.5]] * 3]]
+    rows = {(r["slot"], r["bin"]): r for r in ts.calibration(ranks, probs, slots=2)}
+    assert rows[(1, "0.9-1.0")]["anchors"] == 1 and rows[(1, "0.9-1.0")]["accepted"] == 1.0
+    assert rows[(1, "0.2-0.4")]["accepted"] == 1.0 and rows[(1, "0.4-0.6")]["accepted"] == 0.0
+    # slot 2 only where slot 1 was accepted: anchors 1 (p .95, hit) and 2 (p .7, miss)
+    assert rows[(2, "0.9-1.0")]["accepted"] == 1.0 and rows[(2, "0.6-0.8")]["accepted"] == 0.0
+    assert sum(r["anchors"] for (slot, _), r in rows.items() if slot == 2) == 2
+
+
+def test_confidence_rows_compare_the_same_tree_in_both_orders():
+    # every block: rank 1 at slot 1 is the target's and the draft is sure of it, so the
+    # confidence order takes (1,) first where the fitted tree's order starts with (0,)
+    seqs = [[[0, 0, 0]] * 6 + [[1, 0, 0]] * 4, [[1, 0, 0]] * 10]
+    probs = [[[[0.4, 0.6, 0.0]] * 3] * 10] * 2
+    (row,) = ts.confidence_rows(seqs, probs, [1], 0.5, 32)
+    assert row["fixed"] == 1.0 and row["confidence"] == 2.0

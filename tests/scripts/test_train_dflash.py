@@ -821,6 +821,8 @@ def test_slot_ranks_are_zero_exactly_where_the_greedy_draft_is_right(tmp_path, r
         frozen = frozen.restrict(vocab)
     seq = seqs[0]
     ranks = train.slot_ranks(draft, frozen, seq, chunk=5)
+    again, probs = train.slot_ranks(draft, frozen, seq, chunk=5, width=3)
+    assert torch.equal(again, ranks)
     anchors = list(range(seq.prompt_len, seq.ids.shape[0] - 1))
     assert ranks.shape == (len(anchors), draft.config.block_size - 1)
     hits = train.sequence_loss(draft, frozen, seq, anchors, 1.0)[3]
@@ -833,6 +835,9 @@ def test_slot_ranks_are_zero_exactly_where_the_greedy_draft_is_right(tmp_path, r
     feats, emb, pos, mask, lab = train.block_inputs(draft, frozen, seq, anchors[:3])
     h = train.dense_forward(draft, feats, emb.reshape(-1, emb.shape[-1]), pos, mask)
     scores = (h.view(3, draft.config.block_size, -1)[:, 1:] @ frozen.head.t()).float()
+    # the three largest probabilities of each slot, best first
+    top = scores.softmax(-1).sort(-1, descending=True).values[..., :3]
+    assert torch.allclose(probs[:3], top, atol=1e-6) and (probs[:, :, :-1] >= probs[:, :, 1:]).all()
     target = lab if frozen.t2d is None else frozen.t2d[lab]
     checked = 0
     for i in range(3):
