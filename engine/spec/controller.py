@@ -248,9 +248,10 @@ class SpecController:
                     ) -> tuple[list[int], list[int]]:
         """Per candidate: the drafts worth making for the next step (the draft pass counted)
         and, with ``verify``, worth verifying now (the pass already paid; else zeros). Each
-        comes from one ranking of the extra tokens and one pricing of the step: the drafts to
-        make, from the acceptance model's gains; the drafts held, from their own block's
-        confidence in them where candidates have it (one ranking serves both where none has)."""
+        comes from a ranking of the extra tokens, priced from one reading of the step's cost
+        line: the drafts to make, from the acceptance model's gains; the drafts held, from
+        their own block's confidence in them where candidates have it (one ranking serves both
+        where none has)."""
         cost = self.cost
         assert cost is not None
         rows = len(cands)
@@ -270,11 +271,27 @@ class SpecController:
 
         usable = (np.arange(table.shape[1]) < limit[:, None]) & (table >= 1e-3)
         ranked = _rank(table, usable)
-        if ranked is None:
-            drafting = none
-        else:
+        # the drafts held now: their own block's confidence in each, where the proposer gives
+        # it (engine.spec.tree_order), else the acceptance model's gains
+        held = None
+        if verify and any(c.confidence is not None for c in cands):
+            confident = np.zeros_like(table)
+            for i, c in enumerate(cands):
+                own = (self.confidence.gains(c.confidence) if c.confidence is not None
+                       else table[i])
+                n = min(len(own), confident.shape[1])
+                confident[i, :n] = own[:n]
+            held = _rank(confident, (np.arange(confident.shape[1]) < limit[:, None])
+                         & (confident >= 1e-3))
+        elif verify:
+            held = ranked
+        # one reading of the step's cost line serves both rankings (cold caches: 183 us a
+        # reading at one stream, docs/performance.md "Twenty-eighth pass")
+        longest = max((len(r[0]) for r in (ranked, held) if r is not None), default=0)
+        line = cost.step_times(rows, base + np.arange(longest + 1))
+        drafting = none
+        if ranked is not None:
             order, who, expected = ranked
-            times = cost.step_times(rows, base + np.arange(len(order) + 1))
             # the extra token that makes a request draft at all: its first gain, which (gains
             # usable in a prefix of each row, the sort stable) comes first among its own
             counts = usable.sum(axis=1)
@@ -288,27 +305,11 @@ class SpecController:
             steps = np.broadcast_to(self._slot_steps[:table.shape[1]], table.shape)[usable]
             slots = np.concatenate(([0.0], np.cumsum(steps[order])))
             drafting = best_ks((rows + expected) / (
-                times + cost.draft_times(np.cumsum(first), slots)), who)
-        if not verify:
+                line[:len(order) + 1] + cost.draft_times(np.cumsum(first), slots)), who)
+        if held is None:
             return drafting, none
-        # the drafts held now: the block's own confidence in each, where the proposer gives it
-        # (engine.spec.tree_order), else the acceptance model's gains
-        if any(c.confidence is not None for c in cands):
-            held = np.zeros_like(table)
-            for i, c in enumerate(cands):
-                own = (self.confidence.gains(c.confidence) if c.confidence is not None
-                       else table[i])
-                n = min(len(own), held.shape[1])
-                held[i, :n] = own[:n]
-            usable = (np.arange(held.shape[1]) < limit[:, None]) & (held >= 1e-3)
-            ranked = _rank(held, usable)
-            if ranked is None:
-                return drafting, none
-            order, who, expected = ranked
-            times = cost.step_times(rows, base + np.arange(len(order) + 1))
-        elif ranked is None:
-            return drafting, none
-        return drafting, best_ks((rows + expected) / times, who)
+        _, who, expected = held
+        return drafting, best_ks((rows + expected) / line[:len(expected)], who)
 
     # -- feedback ------------------------------------------------------------------------------
     def observe(self, state: DecayedRates, num_verified: int, num_accepted: int,
