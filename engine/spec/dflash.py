@@ -444,7 +444,7 @@ class DFlashProposer:
         width = self._width
         logits = self.draft_logits(hidden)
         if self._order is not None:
-            return self._choose_ordered(reqs, logits, rows, counts)
+            return self._choose_ordered(reqs, logits, rows)
         top = argmax(logits) if width == 1 else logits.topk(width, dim=-1).indices.view(-1)
         pick: list[int] = []
         first = 0
@@ -462,12 +462,11 @@ class DFlashProposer:
             first += c
         return drafts
 
-
-    def _choose_ordered(self, reqs: list[Request], logits: torch.Tensor, rows: list[int],
-                        counts: list[int]) -> dict[str, list[int]]:
+    def _choose_ordered(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
+                        ) -> dict[str, list[int]]:
         """:meth:`choose_rows` for a tree laid out per block (``engine.spec.tree_order``):
-        request ``i`` asked for ``counts[i]`` drafts, whose slots were scored (``rows[i]``), and
-        gets every node those slots hold, most confident first (the slots are paid for, the
+        request ``i``, whose drafts asked for ``rows[i]`` scored slots, gets every node those
+        slots hold, most confident first (the slots are paid for, the
         choice of tokens costs microseconds, and the controller verifies only the ones its
         block is confident enough in), their windows in :attr:`windows`."""
         assert self._order is not None
