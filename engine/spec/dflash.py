@@ -360,7 +360,9 @@ class DFlashProposer:
                 hidden, = self._block_pass(self._index(block_ids), self._index(block_pos), meta)
             anchors = self._index(block_ids[:: k + 1])
             whole = self.choose(proposing, hidden.view(n, k + 1, -1), anchors)  # on the host
-            drafts = {r.request_id: whole[r.request_id][:c] for r, c in zip(proposing, counts)}
+            # (a tree laid out per block keeps every node: every slot was scored)
+            drafts = whole if self._order is not None else {
+                r.request_id: whole[r.request_id][:c] for r, c in zip(proposing, counts)}
         self.draft_seconds = time.perf_counter() - t0
         return drafts
 

@@ -178,7 +178,7 @@ def window_nodes_within(parents: list[int] | None, num_drafts: int, max_depth: i
     a chain) fit ``max_depth`` accepted tokens and ``max_nodes`` rows."""
     if parents is None:
         return max(0, min(num_drafts, max_depth, max_nodes))
-    peaks = list(itertools.accumulate(window_depths(parents)[1:], max))
+    peaks = list(itertools.accumulate(window_depths(parents[:num_drafts])[1:], max))
     return max(0, min(max_nodes, bisect.bisect_right(peaks, max_depth)))
 
 

@@ -245,6 +245,8 @@ def test_window_nodes_within_counts_a_windows_leading_nodes():
     assert window_nodes_within(parents, 5, 2, 10) == 3
     assert window_nodes_within(parents, 5, 3, 10) == 5
     assert window_nodes_within(parents, 5, 3, 4) == 4
+    assert window_nodes_within(parents, 2, 3, 10) == 2  # the drafts held, not the window's
+    assert window_nodes_within(parents, 4, 2, 10) == 3
     assert window_nodes_within(None, 5, 3, 10) == 3  # a chain
     assert window_nodes_within(None, 2, 3, 10) == 2
 
@@ -437,14 +439,18 @@ def test_tree_oracle_tensor_parallel_equals_plain(qwen3_target, draft_dir, basel
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("order", ["confidence", "fixed"])
-def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, baseline_cache, order):
+@pytest.mark.parametrize("order,trim", [("confidence", True), ("fixed", True),
+                                        ("confidence", False)])
+def test_tree_with_dflash_draft_greedy_and_seeded(qwen3_target, draft_dir, baseline_cache, order,
+                                                  trim):
     """The real DFlash proposer offering a tree, its nodes in each block's confidence order or
-    in the tree's: greedy and seeded outputs equal plain ones. In confidence order the
-    windows' trees are not all the fixed one's (the nodes were reordered)."""
+    in the tree's, from trimmed blocks or whole ones (as on CUDA): greedy and seeded outputs
+    equal plain ones. In confidence order the windows' trees are not all the fixed one's (the
+    nodes were reordered)."""
     want = baseline_cache(qwen3_target, PROMPTS, MAX_TOKENS)
     llm = _tree_llm(qwen3_target, draft_dir, tree_order=order)
     proposer, windows = llm.engine.proposer, []
+    proposer._trim_rows = trim
     propose = proposer.propose
 
     def spy(items, captured):
