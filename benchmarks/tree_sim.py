@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
+import math
 import sys
 from collections import Counter
 from pathlib import Path
@@ -118,15 +120,20 @@ def tree_file(seqs: list[list[list[int]]], nodes: int) -> dict:
 
 def confidence_tree(tree: list[Path_], probs: list[list[float]], n: int) -> set[Path_]:
     """The ``n`` nodes of ``tree`` (paths in order, parents first) a block with slot
-    probabilities ``probs`` (``[slot][rank]``) is most confident in: by the product of their
-    path's probabilities, ties in the tree's order (``engine.spec.tree_order``)."""
-    def confidence(path: Path_) -> float:
-        out = 1.0
-        for d, r in enumerate(path):
-            out *= probs[d][r] if r < len(probs[d]) else 0.0
-        return out
+    probabilities ``probs`` (``[slot][rank]``) is most confident in, as the engine orders
+    them (``engine.spec.tree_order.ConfidenceOrder``: by the product of their path's
+    probabilities, ties in the tree's order)."""
+    logp = [[math.log(v) if v > 0 else -math.inf for v in slot] for slot in probs]
+    return {tree[j] for j in _confidence_order(tuple(tree)).order(logp, len(probs), n)[0]}
 
-    return set(sorted(tree, key=confidence, reverse=True)[:n])
+
+@functools.lru_cache(maxsize=8)
+def _confidence_order(tree: tuple[Path_, ...]):
+    """One engine ordering per tree, not per block (the walks ask for it at every anchor)."""
+    from engine.spec.tree import DraftTree
+    from engine.spec.tree_order import ConfidenceOrder
+
+    return ConfidenceOrder(DraftTree.from_paths([list(p) for p in tree]))
 
 
 def walk_blocks(seqs: list[list[list[int]]], probs: list[list[list[list[float]]]], accepts

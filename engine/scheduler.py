@@ -16,7 +16,6 @@ from engine.config import SchedulerConfig
 from engine.outputs import ScheduledRequest, StepPlan, StepResult
 from engine.request import Request, RequestStatus
 from engine.spec.controller import Candidate, Decision, SpecController
-from engine.spec.tree import window_nodes_within
 
 
 class Scheduler:
@@ -76,7 +75,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens + len(spec), budget)
             if not self._reserve(req, num_new, plan):
                 break  # req itself was preempted; everything after it already was
-            parents = self._window_parents(req, len(spec)) if spec else None
+            shape = req.spec_window or self.tree  # this block's layout, else the fixed tree
+            parents = shape.window_parents(len(spec)) if shape is not None and spec else None
             draft = decision.draft if decision is not None else fresh(req, num_new)
             plan.scheduled.append(ScheduledRequest(req, num_new, spec, draft, parents))
             budget -= num_new
@@ -134,19 +134,8 @@ class Scheduler:
         if req.params.max_tokens is not None:
             depth = max(0, min(depth, req.params.max_tokens - req.num_output_tokens - 1))
         if req.spec_window is not None:  # drafts laid out per block (engine.spec.tree_order)
-            return window_nodes_within(req.spec_window.parents, len(req.spec_token_ids), depth,
-                                       slots)
+            return req.spec_window.nodes_within(len(req.spec_token_ids), depth, slots)
         return depth if self.tree is None else self.tree.nodes_within(depth, slots)
-
-    def _window_parents(self, req: Request, k: int) -> list[int] | None:
-        """The tree window of ``req``'s first ``k`` drafts (``None``: a chain)."""
-        if req.spec_window is not None:
-            parents = req.spec_window.parents[:k]
-        elif self.tree is not None:
-            parents = list(self.tree.parents[:k])
-        else:
-            return None
-        return None if all(p == j for j, p in enumerate(parents)) else parents
 
     def _slots(self, req: Request, num_new: int) -> int:
         end = req.num_computed_tokens + num_new

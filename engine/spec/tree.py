@@ -147,8 +147,7 @@ class DraftTree:
 
     def window_parents(self, k: int) -> list[int] | None:
         """Parents of a window's first ``k`` nodes; ``None`` when they form a chain."""
-        parents = list(self.parents[:k])
-        return None if all(p == j for j, p in enumerate(parents)) else parents
+        return _unless_chain(list(self.parents[:k]))
 
 
 @dataclass
@@ -157,6 +156,25 @@ class DraftWindow:
 
     parents: list[int]  # parents[j - 1]: draft j's parent row (0: the root)
     confidence: list[float]  # the block's own chance that draft j is accepted (non-increasing)
+    # peaks[j]: the deepest of drafts 1..j+1 (as DraftTree.peaks; read twice a step)
+    peaks: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.peaks = list(itertools.accumulate(window_depths(self.parents)[1:], max))
+
+    def nodes_within(self, num_drafts: int, max_depth: int, max_nodes: int) -> int:
+        """How many of the leading ``num_drafts`` drafts (those held) fit ``max_depth``
+        accepted tokens and ``max_nodes`` rows."""
+        fit = bisect.bisect_right(self.peaks, max_depth, hi=min(num_drafts, len(self.peaks)))
+        return max(0, min(max_nodes, fit))
+
+    def window_parents(self, k: int) -> list[int] | None:
+        """Parents of the first ``k`` drafts; ``None`` when they form a chain."""
+        return _unless_chain(self.parents[:k])
+
+
+def _unless_chain(parents: list[int]) -> list[int] | None:
+    return None if all(p == j for j, p in enumerate(parents)) else parents
 
 
 def slots_needed(tree: DraftTree | None, num_drafts: int) -> tuple[int, ...]:
@@ -170,16 +188,6 @@ def slots_needed(tree: DraftTree | None, num_drafts: int) -> tuple[int, ...]:
     if tree.dynamic:
         return tuple(min(n, tree.max_depth) for n in range(num_drafts + 1))
     return (0, *tree.peaks[:num_drafts])
-
-
-def window_nodes_within(parents: list[int] | None, num_drafts: int, max_depth: int,
-                        max_nodes: int) -> int:
-    """How many leading drafts of a window of ``num_drafts`` (``parents``: its tree, ``None``:
-    a chain) fit ``max_depth`` accepted tokens and ``max_nodes`` rows."""
-    if parents is None:
-        return max(0, min(num_drafts, max_depth, max_nodes))
-    peaks = list(itertools.accumulate(window_depths(parents[:num_drafts])[1:], max))
-    return max(0, min(max_nodes, bisect.bisect_right(peaks, max_depth)))
 
 
 def window_depths(parents: list[int]) -> list[int]:

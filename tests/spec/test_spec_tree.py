@@ -18,12 +18,12 @@ from engine.spec.acceptance import AcceptanceModel, expected_gains
 from engine.spec.policy import acceptance_parents, tree_seed
 from engine.spec.tree import (
     DraftTree,
+    DraftWindow,
     TreeError,
     accepted_path,
     load_tree,
     window_depths,
     window_masks,
-    window_nodes_within,
 )
 from engine.spec.tree_order import ConfidenceOrder
 
@@ -240,15 +240,15 @@ def test_confidence_order_is_each_blocks_likeliest_first():
 
 
 def test_window_nodes_within_counts_a_windows_leading_nodes():
-    parents = [0, 0, 1, 3, 2]  # depths 1, 1, 2, 3, 2
-    assert window_nodes_within(parents, 5, 1, 10) == 2
-    assert window_nodes_within(parents, 5, 2, 10) == 3
-    assert window_nodes_within(parents, 5, 3, 10) == 5
-    assert window_nodes_within(parents, 5, 3, 4) == 4
-    assert window_nodes_within(parents, 2, 3, 10) == 2  # the drafts held, not the window's
-    assert window_nodes_within(parents, 4, 2, 10) == 3
-    assert window_nodes_within(None, 5, 3, 10) == 3  # a chain
-    assert window_nodes_within(None, 2, 3, 10) == 2
+    window = DraftWindow([0, 0, 1, 3, 2], [0.5] * 5)  # depths 1, 1, 2, 3, 2
+    assert window.nodes_within(5, 1, 10) == 2
+    assert window.nodes_within(5, 2, 10) == 3
+    assert window.nodes_within(5, 3, 10) == 5
+    assert window.nodes_within(5, 3, 4) == 4
+    assert window.nodes_within(2, 3, 10) == 2  # the drafts held, not the window's
+    assert window.nodes_within(4, 2, 10) == 3
+    assert window.window_parents(5) == [0, 0, 1, 3, 2] and window.window_parents(1) is None
+    assert DraftWindow([0, 1, 2], [0.5] * 3).window_parents(3) is None  # a chain
 
 
 def test_acceptance_of_a_tree_ordered_per_block_counts_each_drafts_own_chance():
